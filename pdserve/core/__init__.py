@@ -1,0 +1,1 @@
+"""Shared vocabulary of pdserve: config, envs, messages, errors. Standard library only."""

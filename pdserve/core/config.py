@@ -1,0 +1,91 @@
+"""Frozen config dataclasses; the CLI flags are generated from their fields."""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+
+
+class Role(str, enum.Enum):
+    COLOCATED = "colocated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+LB_METHODS = ("auto", "round_robin", "shortest_queue", "minimum_tokens", "follow_bootstrap_room")
+
+
+def _opt(help: str, choices: tuple | None = None, **kw):
+    return field(metadata={"help": help, "choices": choices}, **kw)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything `pdserve serve` needs; workers get a copy plus their dp_rank."""
+
+    role: Role = _opt("server role", tuple(r.value for r in Role), default=Role.COLOCATED)
+    model: str = _opt("local HF dir, .gguf file, or 'smollm2-135m' (default)", default="smollm2-135m")
+    host: str = _opt("HTTP bind address", default="127.0.0.1")
+    port: int = _opt("HTTP port", default=30000)
+    dp_size: int = _opt("number of data-parallel worker processes", default=1)
+    load_balance_method: str = _opt("DP dispatch method", LB_METHODS, default="auto")
+    bootstrap_port: int = _opt("prefill bootstrap service port", default=8998)
+    transfer_backend: str = _opt("KV transfer backend", ("tcp", "mooncake"), default="tcp")
+    force_query_prefill_dp_rank: bool = _opt(
+        "prefill: allow mixed routing; decode: always query the prefill DP rank", default=False)
+    dtype: str = _opt("weights and KV dtype", ("auto", "bfloat16", "float32"), default="auto")
+    device: str = _opt("torch device", ("cpu", "cuda"), default="cpu")
+    page_size: int = _opt("tokens per KV page", default=16)
+    max_total_tokens: int = _opt("KV pool size in tokens per worker (0 = from --mem-fraction)", default=0)
+    mem_fraction: float = _opt("fraction of free memory for the KV pool when max_total_tokens is 0",
+                               default=0.05)
+    max_running_requests: int = _opt("max requests decoding at once per worker", default=64)
+    chunked_prefill_size: int = _opt("max prompt tokens prefilled per step", default=512)
+    context_length: int = _opt("max prompt + output tokens (0 = the model's)", default=0)
+    num_threads: int = _opt("torch threads per worker (0 = cores / dp_size)", default=0)
+    api_key: str = _opt("require this Bearer token (health stays open)", default="")
+    log_level: str = _opt("log level", ("debug", "info", "warning", "error"), default="info")
+    served_model_name: str = _opt("model name reported by /v1/models (default: model dir name)",
+                                  default="")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """Add one CLI flag per dataclass field, typed from the field's default."""
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        kind = hints[f.name]
+        meta = f.metadata
+        kw: dict = {"help": meta.get("help", ""), "dest": f.name}
+        if kind is bool:
+            parser.add_argument(_flag(f.name), action="store_true", default=default, **kw)
+            continue
+        if isinstance(default, enum.Enum):
+            kw["type"] = str
+            default = default.value
+        else:
+            kw["type"] = kind if kind in (int, float, str) else str
+        if meta.get("choices"):
+            kw["choices"] = meta["choices"]
+        parser.add_argument(_flag(f.name), default=default, **kw)
+
+
+def dataclass_from_args(cls: type, args: argparse.Namespace, **override):
+    hints = typing.get_type_hints(cls)
+    kw = {}
+    for f in fields(cls):
+        if f.name in override:
+            kw[f.name] = override[f.name]
+        elif hasattr(args, f.name):
+            v = getattr(args, f.name)
+            kind = hints[f.name]
+            kw[f.name] = kind(v) if isinstance(kind, type) and issubclass(kind, enum.Enum) else v
+    return cls(**kw)

@@ -1,0 +1,117 @@
+"""Typed messages between an HTTP front and its DP worker processes.
+
+Fronts and workers exchange these dataclasses over ZMQ (pickled; see worker/channel.py).
+Front -> worker: GenerateReq, AbortReq, StatsReq, ShutdownReq.
+Worker -> front: WorkerReady once, then OutputBatch per engine step and WorkerStats on demand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class PDParams:
+    """PD fields of one request item (one room). `prefill_dp_rank` is `disagg_prefill_dp_rank`."""
+
+    bootstrap_host: str
+    bootstrap_port: int
+    bootstrap_room: int
+    prefill_dp_rank: int | None = None
+
+
+@dataclass
+class GenerateReq:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    pd: PDParams | None = None
+    arrival_time: float = 0.0
+    dispatch_reason: str = ""  # why the front picked this rank (for timelines and logs)
+
+
+@dataclass(frozen=True)
+class AbortReq:
+    rid: str
+    reason: str = "aborted by client"
+
+
+@dataclass(frozen=True)
+class StatsReq:
+    req_id: int
+
+
+@dataclass(frozen=True)
+class ShutdownReq:
+    pass
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """A request failure: HTTP status, message naming room/ranks/cause, error type."""
+
+    status: int
+    message: str
+    type: str = "internal_error"
+
+
+@dataclass
+class TokenOutput:
+    """New tokens of one request since its last output; `finished` closes the request."""
+
+    rid: str
+    token_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[float] | None = None
+    finished: bool = False
+    finish_reason: dict | None = None  # {"type": "stop"|"length"|"abort", "matched": ...}
+    prompt_tokens: int = 0
+    input_logprobs: list[float | None] | None = None  # first output only, when asked
+    error: ErrorInfo | None = None
+    meta: dict = field(default_factory=dict)  # extra meta_info, e.g. handoff timings
+
+
+@dataclass
+class OutputBatch:
+    dp_rank: int
+    outputs: list[TokenOutput]
+
+
+@dataclass
+class WorkerStats:
+    req_id: int
+    dp_rank: int
+    total_pages: int
+    free_pages: int
+    cached_pages: int
+    running_requests: int
+    waiting_requests: int
+    inflight_transfers: int
+    extra: dict = field(default_factory=dict)
+
+    def is_idle(self) -> bool:
+        return (
+            self.free_pages + self.cached_pages == self.total_pages
+            and self.running_requests == 0
+            and self.waiting_requests == 0
+            and self.inflight_transfers == 0
+        )
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    dp_rank: int
+    total_pages: int
+    page_size: int
+    max_context: int
+    info: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    """Sent instead of WorkerReady when start-up fails (bad model path, out of memory...)."""
+
+    dp_rank: int
+    message: str
