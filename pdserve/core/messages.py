@@ -1,7 +1,7 @@
 """Typed messages between an HTTP front and its DP worker processes.
 
 Fronts and workers exchange these dataclasses over ZMQ (pickled; see worker/channel.py).
-Front -> worker: GenerateReq, AbortReq, StatsReq, ShutdownReq.
+Front -> worker: GenerateReq, AbortReq, StatsReq, ShutdownReq, RoomFailedNotice.
 Worker -> front: WorkerReady once, then OutputBatch per engine step and WorkerStats on demand.
 """
 
@@ -37,6 +37,15 @@ class GenerateReq:
 class AbortReq:
     rid: str
     reason: str = "aborted by client"
+
+
+@dataclass(frozen=True)
+class RoomFailedNotice:
+    """Prefill front -> the worker a room implies: the room was rejected (e.g. a
+    follow_bootstrap_room conflict), so a decode contacting this worker for it fails at once."""
+
+    room: int
+    reason: str
 
 
 @dataclass(frozen=True)

@@ -25,38 +25,41 @@ class AttnBatch:
     # (single-token decode with equal lengths)
 
     @staticmethod
-    def build(seq_lens: list[int], new_lens: list[int], slot_rows: list[list[int]],
-              device: torch.device | str = "cpu") -> "AttnBatch":
-        """seq_lens[i]: KV length after this step; new_lens[i]: tokens added this step;
-        slot_rows[i]: the slots of all seq_lens[i] tokens of sequence i."""
+    def build(seq_lens: list[int], new_lens: list[int], page_rows: list[list[int]],
+              page_size: int, device: torch.device | str = "cpu") -> "AttnBatch":
+        """seq_lens[i]: KV length of sequence i after this step; new_lens[i]: tokens it adds
+        this step (the last new_lens[i] of its seq_lens[i]); page_rows[i]: its pages in order."""
         B = len(seq_lens)
         L = max(seq_lens)
         Tq = max(new_lens)
-        gather = torch.zeros(B, L, dtype=torch.long)
-        q_index = torch.zeros(B, Tq, dtype=torch.long)
-        write: list[int] = []
-        unpad: list[int] = []
-        t = 0
-        for i, (sl, nl, slots) in enumerate(zip(seq_lens, new_lens, slot_rows)):
-            gather[i, :sl] = torch.tensor(slots, dtype=torch.long)
-            q_index[i, :nl] = torch.arange(t, t + nl)
-            write.extend(slots[sl - nl:sl])
-            unpad.extend(range(i * Tq, i * Tq + nl))
-            t += nl
+        max_pages = max(len(r) for r in page_rows)
+        table = torch.tensor([r + [0] * (max_pages - len(r)) for r in page_rows], dtype=torch.long)
+        slots = (table.unsqueeze(-1) * page_size + torch.arange(page_size)).view(B, -1)[:, :L]
+        seq = torch.tensor(seq_lens, dtype=torch.long)
+        new = torch.tensor(new_lens, dtype=torch.long)
+        if Tq == 1 and int(new.min()) == 1:
+            # pure decode: one query per sequence, written at position seq_len - 1
+            write = slots.gather(1, (seq - 1).view(B, 1)).view(B)
+            q_index = torch.arange(B).view(B, 1)
+            q_unpad = torch.arange(B)
+        else:
+            j = torch.arange(Tq).view(1, Tq)
+            valid = j < new.view(B, 1)
+            pos = (seq - new).view(B, 1) + j
+            write = slots.gather(1, pos.clamp(max=L - 1))[valid]
+            starts = torch.cumsum(new, 0) - new
+            q_index = torch.where(valid, starts.view(B, 1) + j, 0)
+            q_unpad = (torch.arange(B).view(B, 1) * Tq + j)[valid]
         mask = None
-        if not (Tq == 1 and all(s == L for s in seq_lens)):
-            # query j of sequence i sits at KV position (seq_len - new_len + j)
-            seq = torch.tensor(seq_lens).view(B, 1, 1)
-            new = torch.tensor(new_lens).view(B, 1, 1)
-            qpos = seq - new + torch.arange(Tq).view(1, Tq, 1)
+        if not (Tq == 1 and int(seq.min()) == L):
+            qpos = (seq - new).view(B, 1, 1) + torch.arange(Tq).view(1, Tq, 1)
             kpos = torch.arange(L).view(1, 1, L)
-            mask = ((kpos <= qpos) & (kpos < seq)).unsqueeze(1)
-            mask = mask.to(device)
+            mask = ((kpos <= qpos) & (kpos < seq.view(B, 1, 1))).unsqueeze(1).to(device)
         return AttnBatch(
-            write_slots=torch.tensor(write, dtype=torch.long).to(device),
-            gather_slots=gather.to(device),
+            write_slots=write.to(device),
+            gather_slots=slots.contiguous().to(device),
             q_index=q_index.to(device),
-            q_unpad=torch.tensor(unpad, dtype=torch.long).to(device),
+            q_unpad=q_unpad.to(device),
             mask=mask,
         )
 

@@ -1,0 +1,120 @@
+"""Per-request handoff state on each side of a PD transfer, as an enum with transition tables.
+
+Prefill: Bootstrapping -> WaitingForInput (the decode's destination metadata arrived)
+         -> Transferring (writing KV pages, then aux) -> Success.
+Decode:  Bootstrapping (resolving the prefill rank and topology, preallocating pages)
+         -> WaitingForInput (metadata sent) -> Transferring (bytes/aux announced) -> Success.
+A decode may also go WaitingForInput -> Success: some backends (e.g. mooncake) write straight
+into its memory and the decode only learns of the transfer when the completion arrives.
+
+Failed is reachable from every non-terminal state. Success and Failed are terminal: nothing
+leaves them. "Failed wins": a caller that learns of both a failure and a success in the same
+step applies the failure; `fail()` on an already failed handoff keeps the first reason (abort,
+timeout and peer failure often race), while any move out of Success raises IllegalTransition.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+class HandoffState(str, enum.Enum):
+    BOOTSTRAPPING = "bootstrapping"
+    WAITING_FOR_INPUT = "waiting_for_input"
+    TRANSFERRING = "transferring"
+    SUCCESS = "success"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (HandoffState.SUCCESS, HandoffState.FAILED)
+
+
+class Side(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+S = HandoffState
+_F = S.FAILED
+TRANSITIONS: dict[Side, dict[HandoffState, frozenset[HandoffState]]] = {
+    Side.PREFILL: {
+        S.BOOTSTRAPPING: frozenset({S.WAITING_FOR_INPUT, _F}),
+        S.WAITING_FOR_INPUT: frozenset({S.TRANSFERRING, _F}),
+        S.TRANSFERRING: frozenset({S.SUCCESS, _F}),
+        S.SUCCESS: frozenset(),
+        S.FAILED: frozenset(),
+    },
+    Side.DECODE: {
+        S.BOOTSTRAPPING: frozenset({S.WAITING_FOR_INPUT, _F}),
+        S.WAITING_FOR_INPUT: frozenset({S.TRANSFERRING, S.SUCCESS, _F}),
+        S.TRANSFERRING: frozenset({S.SUCCESS, _F}),
+        S.SUCCESS: frozenset(),
+        S.FAILED: frozenset(),
+    },
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A move the side's transition table forbids; a bug in the caller, never bad input."""
+
+
+@dataclass
+class Handoff:
+    """One room's handoff on one side, with the monotonic time each state was entered."""
+
+    room: int
+    side: Side
+    state: HandoffState = HandoffState.BOOTSTRAPPING
+    reason: str = ""
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
+    created: float = field(default=0.0)
+    entered: dict[HandoffState, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.entered:
+            self.created = self.clock()
+            self.entered[self.state] = self.created
+
+    def can_move(self, to: HandoffState) -> bool:
+        return to in TRANSITIONS[self.side][self.state]
+
+    def advance(self, to: HandoffState) -> None:
+        """Move forward to `to`; use `fail()` for Failed (it needs a reason)."""
+        if to is HandoffState.FAILED:
+            raise IllegalTransition(f"room {self.room} ({self.side.value}): use fail(reason) to fail")
+        if not self.can_move(to):
+            raise IllegalTransition(
+                f"room {self.room} ({self.side.value}): illegal move {self.state.value} -> {to.value}"
+                + (f" (failed: {self.reason})" if self.reason else ""))
+        self._enter(to)
+
+    def fail(self, reason: str) -> bool:
+        """Move to Failed with `reason`. Returns False (first reason kept) if already failed."""
+        if self.state is HandoffState.FAILED:
+            return False
+        if not self.can_move(HandoffState.FAILED):
+            raise IllegalTransition(
+                f"room {self.room} ({self.side.value}): cannot fail after {self.state.value}: {reason}")
+        self.reason = reason
+        self._enter(HandoffState.FAILED)
+        return True
+
+    def _enter(self, to: HandoffState) -> None:
+        self.state = to
+        self.entered[to] = self.clock()
+
+    @property
+    def done(self) -> bool:
+        return self.state.terminal
+
+    def durations(self) -> dict[str, float]:
+        """Seconds spent in each state already left, keyed by state value, plus `total` when done."""
+        order = list(self.entered.items())  # insertion order = visit order: states move forward
+        out = {a.value: t2 - t1 for (a, t1), (_, t2) in zip(order, order[1:])}
+        if self.done:
+            out["total"] = self.entered[self.state] - self.created
+        return out

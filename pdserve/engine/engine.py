@@ -1,0 +1,222 @@
+"""The engine: one model, one KV pool, continuous batching. Knows nothing of prefill/decode.
+
+Life of a request: add() queues it; step() runs one scheduled batch (a prefill chunk or a
+decode step), samples, checks stops and returns StepOutputs; finished requests free their
+pages unless they asked to hold them (hold_kv), in which case release() frees them later.
+KV import for another engine's prefill: reserve() pages, fill them from outside, then
+add_prefilled() continues decoding from the given first token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core.errors import BadRequest
+from .allocator import PageAllocator
+from .attention import AttnBatch
+from .kv_pool import KVPool
+from .sampler import make_generator, sample
+from .scheduler import Batch, Scheduler, StepKind
+from .sequence import EngineRequest, Sequence, SeqStatus, StepOutput
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_pages: int
+    page_size: int = 16
+    max_running: int = 64
+    prefill_budget: int = 512
+    max_context: int = 8192
+    eos_token_ids: tuple[int, ...] = ()
+    vocab_size: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    total_pages: int
+    free_pages: int
+    running: int
+    waiting: int
+    held_pages: int
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, pool: KVPool, cfg: EngineConfig,
+                 device: str | torch.device = "cpu"):
+        self.model = model
+        self.pool = pool
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.allocator = PageAllocator(cfg.num_pages)
+        self.scheduler = Scheduler(self.allocator, cfg.page_size, cfg.max_running, cfg.prefill_budget)
+        self.seqs: dict[str, Sequence] = {}
+        self.held: dict[str, list[int]] = {}  # finished hold_kv requests and reservations
+
+    # ---- requests -------------------------------------------------------------------------
+    def validate(self, req: EngineRequest) -> None:
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise BadRequest(f"request {req.rid}: empty prompt")
+        total = n + req.sampling.max_new_tokens
+        if total > self.cfg.max_context:
+            raise BadRequest(f"request {req.rid}: prompt ({n} tokens) + max_new_tokens "
+                             f"({req.sampling.max_new_tokens}) exceeds the context length "
+                             f"{self.cfg.max_context}")
+        if self.scheduler.pages_for(total) > self.cfg.num_pages:
+            raise BadRequest(f"request {req.rid}: needs {total} tokens of KV, more than the pool "
+                             f"holds ({self.cfg.num_pages * self.cfg.page_size})")
+        if req.rid in self.seqs or req.rid in self.held:
+            raise BadRequest(f"request id {req.rid} is already in use")
+
+    def add(self, req: EngineRequest) -> None:
+        self.validate(req)
+        seq = Sequence(req, generator=make_generator(req.sampling.seed))
+        if req.return_logprob:
+            seq.input_logprobs = [None]
+        self.seqs[req.rid] = seq
+        self.scheduler.waiting.append(seq)
+
+    def abort(self, rid: str) -> bool:
+        seq = self.seqs.pop(rid, None)
+        if seq is not None:
+            self.scheduler.remove(seq)
+        return (self.release(rid) or seq is not None)
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            total_pages=self.cfg.num_pages,
+            free_pages=self.allocator.free_count,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            held_pages=sum(len(p) for p in self.held.values()),
+        )
+
+    # ---- KV import/export -----------------------------------------------------------------
+    def reserve(self, rid: str, num_tokens: int) -> list[int] | None:
+        """Pages for num_tokens tokens, held under rid until release() or add_prefilled()."""
+        if rid in self.held or rid in self.seqs:
+            raise BadRequest(f"request id {rid} is already in use")
+        pages = self.allocator.alloc(self.scheduler.pages_for(num_tokens))
+        if pages is not None:
+            self.held[rid] = pages
+        return pages
+
+    def release(self, rid: str) -> bool:
+        pages = self.held.pop(rid, None)
+        if pages is None:
+            return False
+        self.allocator.free(pages)
+        return True
+
+    def add_prefilled(self, req: EngineRequest, first_token: int,
+                      first_logprob: float | None = None) -> StepOutput:
+        """Continue a request whose prompt KV is already in the pages reserved under req.rid."""
+        pages = self.held.pop(req.rid)
+        seq = Sequence(req, generator=make_generator(req.sampling.seed), pages=pages,
+                       num_computed=len(req.prompt_ids), status=SeqStatus.RUNNING)
+        self.seqs[req.rid] = seq
+        self.scheduler.running.append(seq)
+        return self._emit(seq, first_token, first_logprob)
+
+    # ---- one step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        ids, positions = [], []
+        for seq, n in zip(batch.seqs, batch.new_lens):
+            start = seq.num_computed
+            ids.extend(seq.tokens(start, start + n))
+            positions.extend(range(start, start + n))
+        seq_lens = [s.num_computed + n for s, n in zip(batch.seqs, batch.new_lens)]
+        attn = AttnBatch.build(seq_lens, batch.new_lens, [s.pages for s in batch.seqs],
+                               self.cfg.page_size, self.device)
+        hidden = self.model(torch.tensor(ids, device=self.device),
+                            torch.tensor(positions, device=self.device), attn, self.pool)
+        if batch.kind is StepKind.PREFILL:
+            return self._finish_prefill(batch, hidden)
+        for seq in batch.seqs:
+            seq.num_computed += 1
+        return self._sample_and_emit(batch.seqs, self.model.logits(hidden))
+
+    def _finish_prefill(self, batch: Batch, hidden: torch.Tensor) -> list[StepOutput]:
+        done, rows, t = [], [], 0
+        for seq, n in zip(batch.seqs, batch.new_lens):
+            if seq.input_logprobs is not None and seq.num_computed < len(seq.req.prompt_ids):
+                self._input_logprobs(seq, hidden[t:t + n])
+            if self.scheduler.after_prefill(seq, n):
+                done.append(seq)
+                rows.append(t + n - 1)
+            t += n
+        if not done:
+            return []
+        outs: list[StepOutput] = []
+        sampling = []
+        for seq in done:
+            if seq.req.sampling.max_new_tokens == 0:
+                outs.append(self._finish(seq, None, None, {"type": "length", "length": 0}))
+            else:
+                sampling.append((seq, rows[done.index(seq)]))
+        if sampling:
+            logits = self.model.logits(hidden[torch.tensor([r for _, r in sampling])])
+            outs.extend(self._sample_and_emit([s for s, _ in sampling], logits))
+        return outs
+
+    def _input_logprobs(self, seq: Sequence, h: torch.Tensor) -> None:
+        start = seq.num_computed
+        n_prompt = len(seq.req.prompt_ids)
+        targets = seq.req.prompt_ids[start + 1:start + 1 + h.shape[0]]
+        if not targets:
+            return
+        lp = torch.log_softmax(self.model.logits(h[:len(targets)]), dim=-1)
+        got = lp.gather(1, torch.tensor(targets, device=lp.device).view(-1, 1)).view(-1)
+        seq.input_logprobs.extend(got.tolist())
+        assert len(seq.input_logprobs) <= n_prompt
+
+    def _sample_and_emit(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
+        tokens = sample(logits, [s.req.sampling for s in seqs], [s.generator for s in seqs])
+        logprobs = None
+        if any(s.req.return_logprob for s in seqs):
+            lp = torch.log_softmax(logits, dim=-1)
+            logprobs = lp.gather(1, tokens.view(-1, 1).to(lp.device)).view(-1).tolist()
+        tokens = tokens.tolist()
+        return [self._emit(s, tokens[i], logprobs[i] if logprobs else None)
+                for i, s in enumerate(seqs)]
+
+    def _emit(self, seq: Sequence, token: int, logprob: float | None) -> StepOutput:
+        seq.output_ids.append(token)
+        p = seq.req.sampling
+        reason = None
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.cfg.eos_token_ids):
+            reason = {"type": "stop", "matched": token}
+        elif len(seq.output_ids) >= p.max_new_tokens or seq.num_tokens >= self.cfg.max_context:
+            reason = {"type": "length", "length": len(seq.output_ids)}
+        if reason is not None:
+            return self._finish(seq, token, logprob, reason)
+        return self._output(seq, token, logprob)
+
+    def _output(self, seq: Sequence, token: int | None, logprob: float | None,
+                **kw) -> StepOutput:
+        out = StepOutput(seq.rid, token, logprob if seq.req.return_logprob else None,
+                         prompt_tokens=len(seq.req.prompt_ids), **kw)
+        if seq.input_logprobs is not None and not seq.sent_input_logprobs:
+            out.input_logprobs = seq.input_logprobs
+            seq.sent_input_logprobs = True
+        return out
+
+    def _finish(self, seq: Sequence, token: int | None, logprob: float | None,
+                reason: dict) -> StepOutput:
+        hold = seq.req.hold_kv
+        held = list(seq.pages) if hold else None
+        self.scheduler.remove(seq, free_pages=not hold)
+        self.seqs.pop(seq.rid, None)
+        if hold:
+            self.held[seq.rid] = held
+        return self._output(seq, token, logprob, finished=True, finish_reason=reason,
+                            held_pages=held)

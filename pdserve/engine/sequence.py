@@ -1,0 +1,65 @@
+"""Engine-side request state, and what the engine hands back after each step."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    hold_kv: bool = False  # keep the KV pages after finishing, until release(rid)
+
+
+@dataclass
+class StepOutput:
+    rid: str
+    token_id: int | None
+    logprob: float | None = None
+    finished: bool = False
+    finish_reason: dict | None = None
+    input_logprobs: list[float | None] | None = None  # with the first token, when asked
+    prompt_tokens: int = 0
+    held_pages: list[int] | None = None  # finished hold_kv requests: their KV pages
+
+
+@dataclass(eq=False)
+class Sequence:
+    req: EngineRequest
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the pool
+    status: SeqStatus = SeqStatus.WAITING
+    input_logprobs: list[float | None] | None = None
+    sent_input_logprobs: bool = False
+
+    @property
+    def rid(self) -> str:
+        return self.req.rid
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.req.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.req.prompt_ids)
+        return self.req.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return (self.req.prompt_ids + self.output_ids)[start:end] if end > len(self.req.prompt_ids) \
+            else self.req.prompt_ids[start:end]

@@ -1,0 +1,1 @@
+"""One DP worker process: the only place where the engine meets the disagg layer."""

@@ -1,0 +1,65 @@
+"""`python -m pdserve.worker ...`: one DP worker process, started by a server front."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import traceback
+
+from ..core.config import Role, ServerConfig
+from ..core.envs import Envs
+from ..core.messages import WorkerFailed, WorkerReady
+from .channel import WorkerChannel
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m pdserve.worker")
+    p.add_argument("--dp-rank", type=int, required=True)
+    p.add_argument("--config-json", required=True)
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--in-addr", required=True)
+    p.add_argument("--out-addr", required=True)
+    return p.parse_args(argv)
+
+
+def config_from_json(text: str) -> ServerConfig:
+    d = json.loads(text)
+    d["role"] = Role(d["role"])
+    return ServerConfig(**d)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    cfg = config_from_json(args.config_json)
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format=f"%(asctime)s {cfg.role.value} dp{args.dp_rank} %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when we stop
+    channel = WorkerChannel(args.in_addr, args.out_addr)
+    try:
+        from .setup import build_engine
+        from .roles import make_role
+
+        engine, mcfg, dtype = build_engine(cfg, args.model_dir)
+        role = make_role(cfg, Envs.read(), engine, mcfg, args.dp_rank)
+        info = role.start()
+    except Exception as e:  # report start-up failure to the front in one line, then exit
+        logging.getLogger(__name__).error("worker start failed: %s", traceback.format_exc())
+        channel.send(WorkerFailed(args.dp_rank, f"{type(e).__name__}: {e}"))
+        channel.close()
+        raise SystemExit(1)
+    from .loop import WorkerLoop
+
+    channel.send(WorkerReady(args.dp_rank, engine.cfg.num_pages, engine.cfg.page_size,
+                             engine.cfg.max_context, {"dtype": str(dtype).removeprefix("torch."),
+                                                      "vocab_size": mcfg.vocab_size, **info}))
+    try:
+        WorkerLoop(engine, role, channel, args.dp_rank).run()
+    finally:
+        role.close()
+        channel.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""The colocated role: each worker prefills and decodes its own requests."""
+
+from __future__ import annotations
+
+from ..core.errors import PDServeError
+from ..core.messages import GenerateReq, TokenOutput
+from ..engine.sequence import EngineRequest
+from .role import WorkerRole, error_output
+
+
+class ColocatedRole(WorkerRole):
+    def on_generate(self, req: GenerateReq) -> list[TokenOutput]:
+        try:
+            self.engine.add(EngineRequest(req.rid, req.input_ids, req.sampling, req.return_logprob))
+        except PDServeError as e:
+            return [error_output(req.rid, e.status, e.message, e.type)]
+        return []
+
+    def on_abort(self, rid: str, reason: str) -> list[TokenOutput]:
+        if self.engine.abort(rid):
+            return [error_output(rid, 499, reason, "aborted")]
+        return []

@@ -1,0 +1,64 @@
+"""The worker loop, the same for every role: read messages, step the engine, send outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ..core.messages import (AbortReq, GenerateReq, OutputBatch, ShutdownReq, StatsReq,
+                             TokenOutput, WorkerStats)
+from ..engine.engine import Engine
+from .channel import WorkerChannel
+from .role import WorkerRole
+
+log = logging.getLogger(__name__)
+IDLE_POLL_S = 0.05
+
+
+class WorkerLoop:
+    def __init__(self, engine: Engine, role: WorkerRole, channel: WorkerChannel, dp_rank: int):
+        self.engine = engine
+        self.role = role
+        self.channel = channel
+        self.dp_rank = dp_rank
+        self.running = True
+
+    def run(self) -> None:
+        while self.running:
+            idle = not (self.engine.has_work() or self.role.busy())
+            outs: list[TokenOutput] = []
+            for msg in self.channel.recv_all(IDLE_POLL_S if idle else 0.0):
+                outs.extend(self.handle(msg))
+            outs.extend(self.role.poll())
+            if self.engine.has_work():
+                outs.extend(self.role.on_step(self.engine.step()))
+            if outs:
+                self.channel.send(OutputBatch(self.dp_rank, outs))
+
+    def handle(self, msg) -> list[TokenOutput]:
+        if isinstance(msg, GenerateReq):
+            return self.role.on_generate(msg)
+        if isinstance(msg, AbortReq):
+            return self.role.on_abort(msg.rid, msg.reason)
+        if isinstance(msg, StatsReq):
+            self.channel.send(self.stats(msg.req_id))
+            return []
+        if isinstance(msg, ShutdownReq):
+            self.running = False
+            return []
+        log.warning("worker %d: unknown message %r", self.dp_rank, type(msg).__name__)
+        return []
+
+    def stats(self, req_id: int) -> WorkerStats:
+        s = self.engine.stats()
+        return WorkerStats(
+            req_id=req_id,
+            dp_rank=self.dp_rank,
+            total_pages=s.total_pages,
+            free_pages=s.free_pages,
+            cached_pages=0,
+            running_requests=s.running,
+            waiting_requests=s.waiting,
+            inflight_transfers=self.role.inflight_transfers(),
+            extra={"held_pages": s.held_pages, "time": time.time(), **self.role.stats_extra()},
+        )

@@ -1,0 +1,75 @@
+"""What a worker does differently per server role, behind one small interface.
+
+The worker loop (loop.py) is the same for every role; it hands requests, aborts and engine
+step outputs to its `WorkerRole` and sends back whatever TokenOutputs the role returns.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from ..core.messages import ErrorInfo, GenerateReq, TokenOutput
+from ..engine.engine import Engine
+from ..engine.sequence import StepOutput
+
+
+class WorkerRole(ABC):
+    """Contract: every GenerateReq accepted by on_generate eventually yields exactly one
+    finished TokenOutput (success, error or abort), and every KV page the role takes is
+    returned to the engine by then. Methods run on the worker loop's thread only."""
+
+    def __init__(self, engine: Engine, dp_rank: int):
+        self.engine = engine
+        self.dp_rank = dp_rank
+
+    def start(self) -> dict:
+        """Called once before serving; returns extra WorkerReady info."""
+        return {}
+
+    @abstractmethod
+    def on_generate(self, req: GenerateReq) -> list[TokenOutput]:
+        ...
+
+    @abstractmethod
+    def on_abort(self, rid: str, reason: str) -> list[TokenOutput]:
+        ...
+
+    def on_step(self, outs: list[StepOutput]) -> list[TokenOutput]:
+        return [to_token_output(o) for o in outs]
+
+    def poll(self) -> list[TokenOutput]:
+        """Progress background work (transfers); called every loop turn."""
+        return []
+
+    def busy(self) -> bool:
+        """True while background work needs the loop to keep turning without blocking."""
+        return False
+
+    def inflight_transfers(self) -> int:
+        return 0
+
+    def stats_extra(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def to_token_output(o: StepOutput, meta: dict | None = None) -> TokenOutput:
+    return TokenOutput(
+        rid=o.rid,
+        token_ids=[] if o.token_id is None else [o.token_id],
+        token_logprobs=None if o.logprob is None else [o.logprob],
+        finished=o.finished,
+        finish_reason=o.finish_reason,
+        prompt_tokens=o.prompt_tokens,
+        input_logprobs=o.input_logprobs,
+        meta=meta or {},
+    )
+
+
+def error_output(rid: str, status: int, message: str, type_: str = "invalid_request_error",
+                 meta: dict | None = None) -> TokenOutput:
+    return TokenOutput(rid=rid, finished=True,
+                       finish_reason={"type": "abort", "message": message},
+                       error=ErrorInfo(status, message, type_), meta=meta or {})

