@@ -51,7 +51,8 @@ def _bench(argv: list[str]) -> None:
         sys.exit(f"usage: pdserve bench {{{','.join(BENCHES)}}} [options]")
     import importlib
 
-    importlib.import_module(BENCHES[argv[0]]).main(argv[1:])
+    rc = importlib.import_module(BENCHES[argv[0]]).main(argv[1:])
+    sys.exit(rc or 0)
 
 
 COMMANDS = {"serve": _serve, "router": _router, "up": _up, "bench": _bench}

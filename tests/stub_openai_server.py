@@ -1,0 +1,222 @@
+"""A stub LLM server for bench tests: `/generate`, `/v1/completions` and `/v1/chat/completions`,
+all streamed, with a configurable TTFT, per-token delay and error rate.
+
+Run: `python tests/stub_openai_server.py [--ttft S] [--token-delay S] ...`; it binds a free port on
+127.0.0.1 and prints `READY <port>`. POST /_stub/config {field: value} changes the config and
+resets the stats; GET /_stub/stats reports arrivals, peak concurrency and the request bodies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import socket
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from aiohttp import web
+
+
+@dataclass(frozen=True)
+class StubConfig:
+    ttft: float = 0.0  # seconds before the first token
+    token_delay: float = 0.0  # seconds per further token
+    error_rate: float = 0.0  # fraction of requests that fail, spread evenly in arrival order
+    error_mode: str = "http"  # "http": 500 before streaming; "stream": an error event mid-stream
+    tokens_per_chunk: int = 1
+    report_usage: bool = True  # False: no usage / meta_info counts (client must count itself)
+    eos_after: int = 0  # > 0: stop after this many tokens unless ignore_eos is set
+    model: str = "stub-model"
+
+
+@dataclass
+class StubStats:
+    arrivals: list[float] = field(default_factory=list)  # time.monotonic() of each request
+    bodies: list[dict] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+    inflight: int = 0
+    max_inflight: int = 0
+    errors_injected: int = 0
+
+
+class _InflightTicket:
+    """Counts one request in flight until released (idempotent)."""
+
+    def __init__(self, stats: StubStats):
+        self.stats, self.held = stats, True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.stats.inflight -= 1
+
+
+class Stub:
+    def __init__(self, cfg: StubConfig):
+        self.cfg = cfg
+        self.stats = StubStats()
+
+    def _should_fail(self, index: int) -> bool:
+        r = self.cfg.error_rate
+        return math.floor((index + 1) * r + 1e-9) > math.floor(index * r + 1e-9)
+
+    @staticmethod
+    def _error(status: int, message: str) -> web.Response:
+        return web.json_response({"error": {"message": message, "type": "invalid_request_error"}},
+                                 status=status)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        stats = self.stats
+        index = len(stats.arrivals)
+        stats.arrivals.append(time.monotonic())
+        stats.inflight += 1
+        stats.max_inflight = max(stats.max_inflight, stats.inflight)
+        # Released before the reply's last byte (plain responses are written after the handler
+        # returns), so a client that waits for a reply's end is never seen over its cap.
+        ticket = _InflightTicket(stats)
+        try:
+            try:
+                body = await request.json()
+            except ValueError:
+                return self._error(400, "body is not JSON")
+            stats.bodies.append(body)
+            stats.paths.append(request.path)
+            return await self._serve(request, body, self._should_fail(index), ticket)
+        finally:
+            ticket.release()
+
+    async def _serve(self, request: web.Request, body: dict, fail: bool,
+                     ticket: "_InflightTicket") -> web.StreamResponse:
+        native = request.path == "/generate"
+        params = body.get("sampling_params", {}) if native else body
+        n = params.get("max_new_tokens" if native else "max_tokens")
+        problem = ("max tokens must be an int >= 1" if not isinstance(n, int) or n < 1 else
+                   "the stub only streams" if body.get("stream") is not True else
+                   "model is required" if not native and not body.get("model") else "")
+        if problem:
+            return self._error(400, problem)
+        if self.cfg.eos_after and not params.get("ignore_eos"):
+            n = min(n, self.cfg.eos_after)
+        if fail and self.cfg.error_mode == "http":
+            self.stats.errors_injected += 1
+            return web.json_response({"error": {"message": "stub injected failure",
+                                                "type": "internal_error"}}, status=500)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        emit = _EMITTERS[request.path]
+        usage = body.get("stream_options", {}).get("include_usage") or native
+        prompt_tokens = len(json.dumps(body.get("text", body.get("prompt", body.get("messages")))).split())
+        await asyncio.sleep(self.cfg.ttft)
+        done, k = 0, max(1, self.cfg.tokens_per_chunk)
+        while done < n:
+            step = min(k, n - done)
+            if done:
+                await asyncio.sleep(self.cfg.token_delay * step)
+            done += step
+            counts = (prompt_tokens, done) if self.cfg.report_usage else None
+            await _send(resp, emit(done - step, done, n, counts))
+            if fail and self.cfg.error_mode == "stream":
+                self.stats.errors_injected += 1
+                await _send(resp, {"error": {"message": "stub injected stream error",
+                                             "type": "internal_error"}})
+                break
+        if usage and self.cfg.report_usage and not native and not fail:
+            await _send(resp, {"id": "stub", "choices": [],
+                               "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+                                         "total_tokens": prompt_tokens + n}})
+        ticket.release()
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.cfg.model, "object": "model"}]})
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def set_config(self, request: web.Request) -> web.Response:
+        changes = await request.json()
+        known = {f.name for f in fields(StubConfig)}
+        if not isinstance(changes, dict) or set(changes) - known:
+            return self._error(400, f"config keys must be among {sorted(known)}")
+        self.cfg = replace(self.cfg, **changes)
+        self.stats = StubStats()
+        return web.json_response(asdict(self.cfg))
+
+    async def get_stats(self, _: web.Request) -> web.Response:
+        return web.json_response(asdict(self.stats))
+
+
+def _tokens(a: int, b: int) -> str:
+    return "".join(f"tok{i} " for i in range(a, b))
+
+
+def _finish(done: int, n: int) -> str | None:
+    return "length" if done == n else None
+
+
+def _native(a: int, b: int, n: int, counts) -> dict:
+    meta = {"id": "stub", "finish_reason": {"type": "length", "length": n} if b == n else None}
+    if counts:
+        meta.update(prompt_tokens=counts[0], completion_tokens=counts[1])
+    return {"text": _tokens(0, b), "meta_info": meta}
+
+
+def _completions(a: int, b: int, n: int, counts) -> dict:
+    return {"id": "stub", "object": "text_completion",
+            "choices": [{"index": 0, "text": _tokens(a, b), "finish_reason": _finish(b, n)}]}
+
+
+def _chat(a: int, b: int, n: int, counts) -> dict:
+    delta = {"content": _tokens(a, b)}
+    if a == 0:
+        delta["role"] = "assistant"
+    return {"id": "stub", "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": _finish(b, n)}]}
+
+
+_EMITTERS = {"/generate": _native, "/v1/completions": _completions, "/v1/chat/completions": _chat}
+
+
+async def _send(resp: web.StreamResponse, obj: dict) -> None:
+    await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+
+def build_app(stub: Stub) -> web.Application:
+    app = web.Application()
+    for path in _EMITTERS:
+        app.router.add_post(path, stub.handle)
+    app.router.add_get("/v1/models", stub.models)
+    app.router.add_get("/health", stub.health)
+    app.router.add_post("/_stub/config", stub.set_config)
+    app.router.add_get("/_stub/stats", stub.get_stats)
+    return app
+
+
+async def _serve_forever(cfg: StubConfig) -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    runner = web.AppRunner(build_app(Stub(cfg)))
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    print(f"READY {sock.getsockname()[1]}", flush=True)
+    await asyncio.Event().wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for f in fields(StubConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, type=lambda s: s.lower() in ("1", "true"), default=f.default)
+        else:
+            parser.add_argument(flag, type=type(f.default), default=f.default)
+    args = parser.parse_args()
+    asyncio.run(_serve_forever(StubConfig(**vars(args))))
+
+
+if __name__ == "__main__":
+    main()
