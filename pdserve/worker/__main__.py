@@ -39,10 +39,11 @@ def main(argv=None) -> None:
     channel = WorkerChannel(args.in_addr, args.out_addr)
     try:
         from .setup import build_engine
-        from .roles import make_role
+        from .role import RoleContext
+        from .roles import ROLES
 
         engine, mcfg, dtype = build_engine(cfg, args.model_dir)
-        role = make_role(cfg, Envs.read(), engine, mcfg, args.dp_rank)
+        role = ROLES[cfg.role](RoleContext(engine, args.dp_rank, cfg, Envs.read(), mcfg, channel.wake))
         info = role.start()
     except Exception as e:  # report start-up failure to the front in one line, then exit
         logging.getLogger(__name__).error("worker start failed: %s", traceback.format_exc())

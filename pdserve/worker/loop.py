@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 
-from ..core.messages import (AbortReq, GenerateReq, OutputBatch, ShutdownReq, StatsReq,
-                             TokenOutput, WorkerStats)
+from ..core.messages import (AbortReq, GenerateReq, OutputBatch, RoomFailedNotice, ShutdownReq,
+                             StatsReq, TokenOutput, WorkerStats)
 from ..engine.engine import Engine
 from .channel import WorkerChannel
 from .role import WorkerRole
@@ -22,9 +23,21 @@ class WorkerLoop:
         self.channel = channel
         self.dp_rank = dp_rank
         self.running = True
+        self.parent = os.getppid()
+        self.next_parent_check = 0.0
+
+    def parent_alive(self) -> bool:
+        """Workers stop when their front died without telling them (e.g. SIGKILL)."""
+        now = time.monotonic()
+        if now >= self.next_parent_check:
+            self.next_parent_check = now + 1.0
+            if os.getppid() != self.parent:
+                log.error("worker %d: front process is gone, exiting", self.dp_rank)
+                return False
+        return True
 
     def run(self) -> None:
-        while self.running:
+        while self.running and self.parent_alive():
             idle = not (self.engine.has_work() or self.role.busy())
             outs: list[TokenOutput] = []
             for msg in self.channel.recv_all(IDLE_POLL_S if idle else 0.0):
@@ -40,6 +53,9 @@ class WorkerLoop:
             return self.role.on_generate(msg)
         if isinstance(msg, AbortReq):
             return self.role.on_abort(msg.rid, msg.reason)
+        if isinstance(msg, RoomFailedNotice):
+            self.role.on_room_failed(msg.room, msg.reason)
+            return []
         if isinstance(msg, StatsReq):
             self.channel.send(self.stats(msg.req_id))
             return []

@@ -7,10 +7,26 @@ step outputs to its `WorkerRole` and sends back whatever TokenOutputs the role r
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable
 
+from ..core.config import ServerConfig
+from ..core.envs import Envs
 from ..core.messages import ErrorInfo, GenerateReq, TokenOutput
 from ..engine.engine import Engine
 from ..engine.sequence import StepOutput
+
+
+@dataclass
+class RoleContext:
+    """What every role is built from."""
+
+    engine: Engine
+    dp_rank: int
+    cfg: ServerConfig
+    envs: Envs
+    model_cfg: Any  # model_files.hf_config.ModelConfig
+    wake: Callable[[], None]  # thread-safe: make the worker loop turn now
 
 
 class WorkerRole(ABC):
@@ -18,9 +34,10 @@ class WorkerRole(ABC):
     finished TokenOutput (success, error or abort), and every KV page the role takes is
     returned to the engine by then. Methods run on the worker loop's thread only."""
 
-    def __init__(self, engine: Engine, dp_rank: int):
-        self.engine = engine
-        self.dp_rank = dp_rank
+    def __init__(self, ctx: RoleContext):
+        self.ctx = ctx
+        self.engine = ctx.engine
+        self.dp_rank = ctx.dp_rank
 
     def start(self) -> dict:
         """Called once before serving; returns extra WorkerReady info."""
@@ -33,6 +50,9 @@ class WorkerRole(ABC):
     @abstractmethod
     def on_abort(self, rid: str, reason: str) -> list[TokenOutput]:
         ...
+
+    def on_room_failed(self, room: int, reason: str) -> None:
+        """The front rejected `room` (prefill only): answer decodes that ask for it at once."""
 
     def on_step(self, outs: list[StepOutput]) -> list[TokenOutput]:
         return [to_token_output(o) for o in outs]

@@ -1,0 +1,73 @@
+"""Decode side: watch the bootstrap /health of every prefill server with rooms in flight.
+
+A server that misses `max_failures` beats in a row, or answers with a new instance id (it
+restarted and lost our rooms), is reported through `on_gone(addr, reason)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+from .bootstrap_client import BootstrapClient
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeat:
+    def __init__(self, client: BootstrapClient, *, interval: float, max_failures: int,
+                 watched: Callable[[], set[str]], on_gone: Callable[[str, str], None]):
+        self.client = client
+        self.interval = interval
+        self.max_failures = max(1, max_failures)
+        self.watched = watched  # thread-safe snapshot of addresses with rooms in flight
+        self.on_gone = on_gone
+        self.misses: dict[str, int] = {}
+        self.instances: dict[str, str] = {}
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="pd-heartbeat", daemon=True)
+        self.thread.start()
+
+    def note_instance(self, addr: str, instance_id: str) -> None:
+        """The instance id a room was resolved against; a different one later means a restart."""
+        if instance_id:
+            self.instances.setdefault(addr, instance_id)
+
+    def _run(self) -> None:
+        while not self.stop_event.wait(self.interval):
+            try:
+                self.beat_all()
+            except Exception:  # noqa: BLE001 - a bad beat must not stop the watch
+                log.exception("heartbeat round failed")
+
+    def beat_all(self) -> None:
+        """One beat to every watched address; misses of addresses no longer watched are forgotten."""
+        addrs = self.watched()
+        for addr in list(self.misses):
+            if addr not in addrs:
+                del self.misses[addr]
+        for addr in addrs:
+            self.beat(addr)
+
+    def beat(self, addr: str) -> None:
+        inst = self.client.health(addr, timeout=min(self.interval, 5.0))
+        if inst is None:
+            n = self.misses[addr] = self.misses.get(addr, 0) + 1
+            if n >= self.max_failures:
+                self.misses[addr] = 0
+                self.on_gone(addr, f"prefill bootstrap {addr} missed {n} heartbeats "
+                                   f"({self.interval:.1f}s apart): prefill server is gone")
+            return
+        self.misses[addr] = 0
+        known = self.instances.get(addr)
+        if known and known != inst:
+            self.instances[addr] = inst
+            self.on_gone(addr, f"prefill server at {addr} restarted (instance {known} -> {inst}); "
+                               "its rooms are lost")
+        elif not known:
+            self.instances[addr] = inst
+
+    def close(self) -> None:
+        self.stop_event.set()
+        self.thread.join(timeout=2)

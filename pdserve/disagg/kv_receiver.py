@@ -1,0 +1,272 @@
+"""Decode side of the handoff: one DecodeRoom per room, driven by the worker loop.
+
+Life of a room: accept() -> resolve the prefill rank and endpoint (background) -> reserve
+pages (`reserve` callback, retried while the pool is full) -> send kv_req to that prefill
+worker -> its kv_done arrives after the pages landed -> poll() reports it finished. Any
+failure (resolution, send, kv_fail, heartbeat loss, deadline, abort) finishes the room with a
+reason naming room, ranks and cause; the caller then frees the room's pages. A room whose
+kv_req may have reached the prefill is only reported after the prefill answered our kv_abort
+(or `abort_grace` passed): until then a write of its KV could still land in those pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+from ..core.errors import PDServeError
+from ..transfer.base import TransferBackend, TransferError
+from . import wire
+from .handoff import Handoff, HandoffState, Side
+from .rank_resolver import Resolved
+
+log = logging.getLogger(__name__)
+S = HandoffState
+
+
+@dataclass
+class DecodeRoom:
+    room: int
+    rid: str
+    addr: str
+    prompt_len: int
+    handoff: Handoff
+    resolved: Resolved | None = None
+    pages: list[int] | None = None
+    sent: bool = False
+    resolved_at: float = 0.0
+    reserved_at: float = 0.0
+    aux: dict | None = None
+    abort_sent_at: float | None = None  # kv_abort sent, no answer yet: pages may still be written
+
+
+@dataclass
+class DecodeDone:
+    room: int
+    rid: str
+    ok: bool
+    reason: str
+    aux: dict | None
+    meta: dict
+
+
+class DecodeReceiver:
+    def __init__(self, backend: TransferBackend, dp_rank: int, local: dict, *,
+                 resolve: Callable[[str, int, int | None], None],
+                 cancel_resolve: Callable[[str, int], None],
+                 reserve: Callable[[str, int], list[int] | None], waiting_timeout: float,
+                 wake: Callable[[], None] = lambda: None, threads: int = 2,
+                 abort_grace: float = 5.0):
+        self.backend = backend
+        self.dp_rank = dp_rank
+        self.local = local  # page_size, kv_dtype, fingerprint, backend, layout, endpoint
+        self.resolve = resolve
+        self.cancel_resolve = cancel_resolve
+        self.reserve = reserve
+        self.waiting_timeout = waiting_timeout
+        self.abort_grace = abort_grace  # how long an unanswered kv_abort keeps the pages
+        self.wake = wake
+        self.rooms: dict[int, DecodeRoom] = {}
+        self.events: queue.Queue = queue.Queue()  # from resolver, send jobs, heartbeat
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kv-recv-{dp_rank}")
+        self._addrs_lock = threading.Lock()
+        self._addrs: dict[str, int] = {}
+
+    # ---- events in (any thread) ------------------------------------------------------------
+    def on_resolved(self, r: Resolved) -> None:
+        self.events.put(("resolved", r))
+        self.wake()
+
+    def on_gone(self, addr: str, reason: str) -> None:
+        self.events.put(("gone", (addr, reason)))
+        self.wake()
+
+    def watched(self) -> set[str]:
+        with self._addrs_lock:
+            return set(self._addrs)
+
+    # ---- events in (loop thread) -----------------------------------------------------------
+    def accept(self, room: int, rid: str, addr: str, prompt_len: int, hint: int | None) -> None:
+        self.rooms[room] = DecodeRoom(room, rid, addr, prompt_len, Handoff(room, Side.DECODE))
+        with self._addrs_lock:
+            self._addrs[addr] = self._addrs.get(addr, 0) + 1
+        self.resolve(addr, room, hint)
+
+    def on_message(self, sender: dict, msg: dict) -> None:
+        kind = msg.get("t")
+        r = self.rooms.get(msg.get("room"))  # type: ignore[arg-type]
+        if r is None or kind not in (wire.KV_DONE, wire.KV_FAIL):
+            return
+        if r.handoff.done:
+            r.abort_sent_at = None  # the prefill answered our kv_abort: no write can follow
+            return
+        if kind == wire.KV_FAIL:
+            self._fail(r, f"room {r.room}: prefill {r.addr} dp_rank {msg.get('prefill_rank')} "
+                          f"failed it: {msg.get('reason')}", tell_prefill=False)
+        elif r.pages is None:
+            log.warning("decode dp_rank %d: kv_done for room %d before its kv_req; ignored",
+                        self.dp_rank, r.room)
+        elif not isinstance(msg.get("first_token"), int):
+            self._fail(r, f"room {r.room}: prefill {r.addr} dp_rank {msg.get('prefill_rank')} sent "
+                          f"a kv_done without first_token", tell_prefill=False)
+        else:
+            r.aux = msg
+            if r.handoff.state is S.BOOTSTRAPPING:  # kv_done overtook our own "sent" event
+                r.handoff.advance(S.WAITING_FOR_INPUT)
+            r.handoff.advance(S.SUCCESS)
+
+    def abort(self, room: int, reason: str) -> None:
+        r = self.rooms.get(room)
+        if r is not None and not r.handoff.done:
+            self._fail(r, reason)
+
+    # ---- progress (loop thread) ------------------------------------------------------------
+    def poll(self, now: float | None = None) -> list[DecodeDone]:
+        while True:
+            try:
+                kind, data = self.events.get_nowait()
+            except queue.Empty:
+                break
+            getattr(self, f"_ev_{kind}")(data)
+        now = time.monotonic() if now is None else now
+        out = []
+        for r in list(self.rooms.values()):
+            if not r.handoff.done:
+                self._progress(r, now)
+            if r.abort_sent_at is not None and now - r.abort_sent_at > self.abort_grace:
+                log.info("decode dp_rank %d: prefill %s never answered kv_abort of room %d in %gs",
+                         self.dp_rank, r.addr, r.room, self.abort_grace)
+                r.abort_sent_at = None
+            if r.handoff.done and r.abort_sent_at is None:
+                out.append(self._finish(r))
+        return out
+
+    def _ev_resolved(self, res: Resolved) -> None:
+        r = self.rooms.get(res.room)
+        if r is None or r.handoff.done:
+            return
+        if res.error is not None:
+            self._fail(r, res.error, tell_prefill=False)
+            return
+        r.resolved, r.resolved_at = res, time.monotonic()
+
+    def _ev_sent(self, data: tuple[int, str | None]) -> None:
+        room, err = data
+        r = self.rooms.get(room)
+        if r is None or r.handoff.done:
+            return
+        if err is not None:
+            self._fail(r, err, tell_prefill=False)
+        elif r.handoff.state is S.BOOTSTRAPPING:
+            r.handoff.advance(S.WAITING_FOR_INPUT)
+
+    def _ev_gone(self, data: tuple[str, str]) -> None:
+        addr, reason = data
+        for r in self.rooms.values():
+            if r.addr != addr:
+                continue
+            r.abort_sent_at = None  # a gone prefill writes nothing more
+            if not r.handoff.done:
+                rank = r.resolved.rank if r.resolved else None
+                self._fail(r, f"room {r.room} (prefill dp_rank {rank}): {reason}", tell_prefill=False)
+
+    def _progress(self, r: DecodeRoom, now: float) -> None:
+        st = r.handoff.state
+        if st is S.BOOTSTRAPPING and r.resolved is not None and r.pages is None:
+            try:
+                pages = self.reserve(r.rid, r.prompt_len)
+            except PDServeError as e:
+                return self._fail(r, f"room {r.room}: decode dp_rank {self.dp_rank} cannot reserve "
+                                     f"pages: {e.message}", tell_prefill=False)
+            if pages is not None:
+                r.pages, r.reserved_at = pages, now
+                self.pool.submit(self._send_req, r.room, r.resolved, pages, r.prompt_len)
+        waited = now - r.handoff.entered[st]
+        if waited > self.waiting_timeout:
+            rank = r.resolved.rank if r.resolved else None
+            self._fail(r, f"room {r.room}: decode dp_rank {self.dp_rank} waited "
+                          f"{self.waiting_timeout:g}s in {st.value} for prefill {r.addr} "
+                          f"dp_rank {rank} (PDSERVE_WAITING_TIMEOUT)", now=now)
+
+    @staticmethod
+    def _peer(res: Resolved) -> dict:
+        """The prefill rank's transfer endpoint descriptor."""
+        info = res.info
+        assert info is not None
+        return info.endpoint or {"backend": info.transfer_backend, "ip": info.rank_ip,
+                                 "port": info.rank_port}
+
+    def _send_req(self, room: int, res: Resolved, pages: list[int], prompt_len: int) -> None:
+        """Runs on a pool thread; reports a "sent" event exactly once."""
+        try:
+            msg = {"t": wire.KV_REQ, "room": room, "dst_pages": pages, "prompt_len": prompt_len,
+                   "decode_rank": self.dp_rank, **{k: self.local[k] for k in
+                   ("layout", "endpoint", "page_size", "kv_dtype", "fingerprint", "backend")}}
+            self.backend.send(self._peer(res), msg)
+            err = None
+        except Exception as e:  # noqa: BLE001 - any failure must still finish the room
+            if not isinstance(e, (TransferError, OSError)):
+                log.exception("decode dp_rank %d: sending kv_req of room %d crashed", self.dp_rank, room)
+            err = f"room {room}: sending metadata to prefill {res.addr} dp_rank {res.rank} failed: {e}"
+        self.events.put(("sent", (room, err)))
+        self.wake()
+
+    def _fail(self, r: DecodeRoom, reason: str, tell_prefill: bool = True,
+              now: float | None = None) -> None:
+        if not r.handoff.fail(reason):
+            return
+        self.cancel_resolve(r.addr, r.room)
+        if tell_prefill and r.pages is not None and r.resolved is not None and r.resolved.info:
+            msg = {"t": wire.KV_ABORT, "room": r.room, "reason": reason, "decode_rank": self.dp_rank}
+            try:
+                self.pool.submit(self._quiet_send, self._peer(r.resolved), msg)
+                r.abort_sent_at = time.monotonic() if now is None else now
+            except RuntimeError:  # closed
+                pass
+
+    def _quiet_send(self, peer: dict, msg: dict) -> None:
+        try:
+            self.backend.send(peer, msg)
+        except (TransferError, OSError) as e:
+            log.info("decode dp_rank %d: could not tell prefill about room %s: %s",
+                     self.dp_rank, msg.get("room"), e)
+
+    def _finish(self, r: DecodeRoom) -> DecodeDone:
+        del self.rooms[r.room]
+        with self._addrs_lock:
+            n = self._addrs.get(r.addr, 1) - 1
+            if n <= 0:
+                self._addrs.pop(r.addr, None)
+            else:
+                self._addrs[r.addr] = n
+        ok = r.handoff.state is S.SUCCESS
+        return DecodeDone(r.room, r.rid, ok, r.handoff.reason, r.aux, self._meta(r))
+
+    def _meta(self, r: DecodeRoom) -> dict:
+        h = r.handoff
+        d: dict = {"bootstrap_room": r.room, "decode_dp_rank": self.dp_rank}
+        if r.resolved is not None:
+            d.update(prefill_dp_rank=r.resolved.rank, dp_rank_path=r.resolved.path,
+                     resolve_s=r.resolved.seconds)
+            if r.pages is not None:
+                d["prealloc_wait_s"] = r.reserved_at - r.resolved_at
+        if S.WAITING_FOR_INPUT in h.entered:
+            d["bootstrap_s"] = h.entered[S.WAITING_FOR_INPUT] - h.created
+            d["waiting_s"] = h.entered[h.state] - h.entered[S.WAITING_FOR_INPUT]
+        if r.aux:
+            secs = r.aux.get("transfer_s") or 0.0
+            d.update(kv_bytes=r.aux.get("bytes"), kv_transfer_s=secs,
+                     kv_gbps=(r.aux.get("bytes", 0) / secs / 1e9) if secs > 0 else None)
+        return d
+
+    def inflight(self) -> int:
+        return len(self.rooms)
+
+    def close(self, wait: bool = False) -> None:
+        """Stop the send threads; `wait` joins them."""
+        self.pool.shutdown(wait=wait, cancel_futures=True)

@@ -1,0 +1,287 @@
+"""Prefill side of the handoff: one PrefillRoom per room, driven by the worker loop.
+
+Events in: accept() when the prefill request arrives, on_message() for the decode's kv_req /
+kv_abort, prefill_done() when the engine finished the prompt (its pages now hold the KV),
+fail() on abort, mark_failed() for rooms the front rejected. poll() returns finished rooms.
+Page writes and sends run on a background thread; every state change happens on the loop's
+thread. A room's pages are returned (via poll) only once no write can still read them, and
+the decode hears kv_fail only once no write can still land in its pages. Rooms doomed before
+their request arrives (front rejected, decode aborted, incompatible kv_req) are remembered for
+`failed_ttl`, so a late request or kv_req for them fails at once instead of timing out.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ..transfer.base import TransferBackend, TransferError, peer_name
+from . import wire
+from .handoff import Handoff, HandoffState, Side
+
+log = logging.getLogger(__name__)
+S = HandoffState
+
+
+@dataclass
+class PrefillRoom:
+    room: int
+    rid: str
+    prompt_len: int
+    handoff: Handoff
+    req: dict | None = None  # the decode's kv_req
+    peer: dict | None = None
+    pages: list[int] | None = None  # set when the prefill finished
+    aux: dict | None = None
+    job_running: bool = False
+    result: dict = field(default_factory=dict)  # bytes, timings of the write
+
+
+@dataclass
+class RoomDone:
+    room: int
+    rid: str
+    ok: bool
+    reason: str
+    aux: dict | None
+    meta: dict
+
+
+class PrefillSender:
+    def __init__(self, backend: TransferBackend, dp_rank: int, local: dict, *,
+                 bootstrap_timeout: float, failed_ttl: float = 600.0, threads: int = 2,
+                 wake=lambda: None):
+        self.backend = backend
+        self.dp_rank = dp_rank
+        self.local = local  # page_size, kv_dtype, fingerprint, backend
+        self.bootstrap_timeout = bootstrap_timeout
+        self.failed_ttl = failed_ttl
+        self.rooms: dict[int, PrefillRoom] = {}
+        self.early: dict[int, tuple[dict, dict, float]] = {}  # kv_req before the request
+        self.failed: dict[int, tuple[str, float]] = {}  # doomed rooms: reason, since
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kv-send-{dp_rank}")
+        self.jobs: queue.Queue = queue.Queue()
+        self.done: list[RoomDone] = []
+        self.wake = wake  # called from job threads so the loop polls at once
+
+    # ---- events ------------------------------------------------------------------------------
+    def accept(self, room: int, rid: str, prompt_len: int) -> None:
+        r = PrefillRoom(room, rid, prompt_len, Handoff(room, Side.PREFILL))
+        self.rooms[room] = r
+        if room in self.failed:
+            self._fail(r, self.failed[room][0])
+        elif room in self.early:
+            peer, req, _ = self.early.pop(room)
+            self._attach(r, peer, req)
+
+    def prefill_done(self, room: int, pages: list[int], aux: dict) -> None:
+        r = self.rooms.get(room)
+        if r is None:
+            return
+        r.pages, r.aux = pages, aux
+        self._maybe_transfer(r)
+
+    def fail(self, room: int, reason: str) -> None:
+        r = self.rooms.get(room)
+        if r is not None and not r.handoff.done:
+            self._fail(r, reason)
+
+    def mark_failed(self, room: int, reason: str) -> None:
+        """The front rejected `room`: a kv_req for it (queued or later) is answered with `reason`."""
+        self._doom(room, reason)
+
+    def _doom(self, room: int, reason: str) -> None:
+        """Remember that `room` cannot succeed here; tell a decode whose kv_req is queued."""
+        self.failed[room] = (reason, time.monotonic())
+        if room in self.early:
+            peer, _, _ = self.early.pop(room)
+            self._send_later(peer, self._kv_fail(room, reason))
+
+    def _kv_fail(self, room: int, reason: str) -> dict:
+        return {"t": wire.KV_FAIL, "room": room, "prefill_rank": self.dp_rank, "reason": reason}
+
+    def on_message(self, sender: dict, msg: dict) -> None:
+        kind, room = msg.get("t"), msg.get("room")
+        if not isinstance(room, int):
+            log.warning("prefill dp_rank %d: control message without room from %s", self.dp_rank,
+                        peer_name(sender))
+            return
+        if kind == wire.KV_REQ:
+            self._on_kv_req(room, msg)
+        elif kind == wire.KV_ABORT:
+            self._on_kv_abort(sender, room, msg)
+
+    def _on_kv_req(self, room: int, msg: dict) -> None:
+        peer = msg.get("endpoint")
+        if not isinstance(peer, dict):
+            log.warning("prefill dp_rank %d: kv_req for room %d without an endpoint", self.dp_rank, room)
+            return
+        r = self.rooms.get(room)
+        if r is not None and r.handoff.state is not S.BOOTSTRAPPING:
+            return  # a duplicate: this room already has its decode (or failed)
+        problem = wire.compat_problem(self.local, msg)
+        if problem is not None:
+            problem = (f"room {room}: decode dp_rank {msg.get('decode_rank')} cannot use prefill "
+                       f"dp_rank {self.dp_rank}: {problem}")
+        elif room in self.failed:
+            problem = self.failed[room][0]
+        if problem is not None:
+            if r is None:
+                self.early.pop(room, None)
+                self.failed[room] = (problem, time.monotonic())
+                self._send_later(peer, self._kv_fail(room, problem))
+            else:
+                r.peer = peer
+                self._fail(r, problem)
+            return
+        if r is None:
+            self.early[room] = (peer, msg, time.monotonic())
+        else:
+            self._attach(r, peer, msg)
+
+    def _on_kv_abort(self, sender: dict, room: int, msg: dict) -> None:
+        """Fail the room and always answer (kv_done or kv_fail): the decode keeps its pages until
+        it knows no write of ours can still land in them."""
+        reason = (f"room {room}: decode dp_rank {msg.get('decode_rank')} aborted it: "
+                  f"{msg.get('reason', '')}")
+        r = self.rooms.get(room)
+        if r is None:
+            peer = self.early[room][0] if room in self.early else sender
+            self.early.pop(room, None)
+            self.failed[room] = (reason, time.monotonic())
+            self._send_later(peer, self._kv_fail(room, reason))
+        elif not r.handoff.done:
+            if r.peer is None:
+                r.peer = sender
+            self._fail(r, reason)
+        elif not r.job_running:  # finished, not yet reported: answer again
+            self._send_later(r.peer or sender, self._kv_fail(room, r.handoff.reason or reason))
+
+    # ---- progress ----------------------------------------------------------------------------
+    def _attach(self, r: PrefillRoom, peer: dict, req: dict) -> None:
+        need = -(-r.prompt_len // self.local["page_size"])
+        if len(req.get("dst_pages") or []) != need or req.get("prompt_len") != r.prompt_len:
+            reason = (f"room {r.room}: decode sent {len(req.get('dst_pages') or [])} pages for "
+                      f"{req.get('prompt_len')} tokens, prefill has {r.prompt_len} tokens "
+                      f"({need} pages): the two legs got different prompts")
+            r.peer = peer
+            self._fail(r, reason)
+            return
+        r.peer, r.req = peer, req
+        r.handoff.advance(S.WAITING_FOR_INPUT)
+        self._maybe_transfer(r)
+
+    def _maybe_transfer(self, r: PrefillRoom) -> None:
+        if r.req is None or r.pages is None or r.handoff.state is not S.WAITING_FOR_INPUT:
+            return
+        r.handoff.advance(S.TRANSFERRING)
+        r.job_running = True
+        self.pool.submit(self._transfer_job, r.room, r.peer, r.req, list(r.pages), dict(r.aux or {}))
+
+    def _transfer_job(self, room: int, peer: dict, req: dict, pages: list[int], aux: dict) -> None:
+        """Runs on a pool thread; whatever happens, it reports to `jobs` exactly once."""
+        try:
+            dst = req["dst_pages"]
+            res = self.backend.write_pages(peer, req["layout"], pages[:len(dst)], dst)
+            info = {"bytes": res.bytes, "transfer_s": res.seconds, "started_at": res.started_at,
+                    "finished_at": res.finished_at, "writes": res.num_writes}
+            self.backend.send(peer, {"t": wire.KV_DONE, "room": room, "prefill_rank": self.dp_rank,
+                                     **aux, **info})
+            self.jobs.put((room, None, info))
+        except Exception as e:  # noqa: BLE001 - any failure must still finish the room
+            if not isinstance(e, (TransferError, OSError)):
+                log.exception("prefill dp_rank %d: KV transfer job of room %d crashed", self.dp_rank, room)
+            self.jobs.put((room, f"room {room}: KV transfer from prefill dp_rank {self.dp_rank} to "
+                                 f"decode {peer_name(peer)} failed: {e}", {}))
+        self.wake()
+
+    def _send_later(self, peer: dict, msg: dict) -> None:
+        def job():
+            try:
+                self.backend.send(peer, msg)
+            except (TransferError, OSError) as e:
+                log.info("prefill dp_rank %d: could not tell %s about room %s: %s", self.dp_rank,
+                         peer_name(peer), msg.get("room"), e)
+        try:
+            self.pool.submit(job)
+        except RuntimeError:  # closed
+            log.info("prefill dp_rank %d closed: room %s not told", self.dp_rank, msg.get("room"))
+
+    def _fail(self, r: PrefillRoom, reason: str) -> None:
+        if r.handoff.fail(reason) and not r.job_running:
+            self._tell_failed(r)
+        # a running write job keeps the pages, and the decode is told when it returns
+
+    def _tell_failed(self, r: PrefillRoom) -> None:
+        if r.peer is not None:
+            self._send_later(r.peer, self._kv_fail(r.room, r.handoff.reason))
+
+    def _job_returned(self, r: PrefillRoom, err: str | None, info: dict) -> None:
+        r.job_running = False
+        r.result = info
+        if err is None:
+            if not r.handoff.done:
+                r.handoff.advance(S.SUCCESS)
+            return  # its kv_done went out: the decode has its answer even if we failed meanwhile
+        r.handoff.fail(err)  # keeps an earlier reason (abort, timeout)
+        self._tell_failed(r)
+
+    def poll(self, now: float | None = None) -> list[RoomDone]:
+        now = time.monotonic() if now is None else now
+        while True:
+            try:
+                room, err, info = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            r = self.rooms.get(room)
+            if r is not None:
+                self._job_returned(r, err, info)
+        for r in list(self.rooms.values()):
+            if not r.handoff.done and now - r.handoff.created > self.bootstrap_timeout:
+                self._fail(r, f"room {r.room}: prefill dp_rank {self.dp_rank} waited "
+                              f"{self.bootstrap_timeout:g}s for {self._waiting_for(r)} "
+                              f"(PDSERVE_BOOTSTRAP_TIMEOUT)")
+            if r.handoff.done and not r.job_running:
+                del self.rooms[r.room]
+                if r.handoff.state is S.FAILED:  # a late kv_req for it is answered at once
+                    self.failed[r.room] = (r.handoff.reason, time.monotonic())
+                self.done.append(RoomDone(r.room, r.rid, r.handoff.state is S.SUCCESS,
+                                          r.handoff.reason, r.aux, self._meta(r)))
+        self._expire(now)
+        out, self.done = self.done, []
+        return out
+
+    @staticmethod
+    def _waiting_for(r: PrefillRoom) -> str:
+        if r.req is None:
+            return "the decode's metadata (kv_req)"
+        return "the prefill to finish" if r.handoff.state is S.WAITING_FOR_INPUT else "the KV write"
+
+    def _meta(self, r: PrefillRoom) -> dict:
+        d = {f"prefill_{k}_s": v for k, v in r.handoff.durations().items()}
+        d.update({"bootstrap_room": r.room, "prefill_dp_rank": self.dp_rank})
+        if r.result:
+            d["kv_bytes"] = r.result["bytes"]
+            d["kv_transfer_s"] = r.result["transfer_s"]
+            secs = r.result["transfer_s"]
+            d["kv_gbps"] = r.result["bytes"] / secs / 1e9 if secs > 0 else None
+        return d
+
+    def _expire(self, now: float) -> None:
+        for room, (_, _, t) in list(self.early.items()):
+            if now - t > self.bootstrap_timeout:
+                self._doom(room, f"room {room}: prefill dp_rank {self.dp_rank} never received its "
+                                 f"request within {self.bootstrap_timeout:g}s (PDSERVE_BOOTSTRAP_TIMEOUT)")
+        for room, (_, t) in list(self.failed.items()):
+            if now - t > self.failed_ttl:
+                del self.failed[room]
+
+    def inflight(self) -> int:
+        return len(self.rooms)
+
+    def close(self, wait: bool = False) -> None:
+        """Stop the job threads; `wait` joins them (a write in progress finishes first)."""
+        self.pool.shutdown(wait=wait, cancel_futures=True)

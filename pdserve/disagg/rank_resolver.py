@@ -1,0 +1,180 @@
+"""Decode side: which prefill DP rank holds a room, and that rank's transfer endpoint.
+
+Runs the resolution order of DESIGN section 4 on a background thread per request; rooms that
+need the query path join one batched /query_dp_ranks call per prefill server per round.
+Results (or failures naming room, server and cause) go to `on_result` from those threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+from ..core.errors import PDServeError
+from .bootstrap_client import BootstrapClient
+from .bootstrap_table import RankInfo
+from .dp_rules import resolve_prefill_rank
+
+log = logging.getLogger(__name__)
+QUERY_ROUND_S = 0.005
+
+
+@dataclass
+class Resolved:
+    room: int
+    addr: str
+    rank: int | None = None
+    path: str = ""
+    info: RankInfo | None = None
+    instance_id: str = ""
+    error: str | None = None
+    seconds: float = 0.0
+
+
+class QueryBatcher:
+    """One thread: every round, one /query_dp_ranks per prefill server for all pending rooms."""
+
+    def __init__(self, client: BootstrapClient, on_answer: Callable[[str, int, int | None, str | None], None]):
+        self.client = client
+        self.on_answer = on_answer  # (addr, room, rank, error)
+        self.pending: dict[str, dict[int, float]] = {}  # addr -> room -> deadline
+        self.cv = threading.Condition()
+        self.closed = False
+        self.thread = threading.Thread(target=self._run, name="dp-rank-query", daemon=True)
+        self.thread.start()
+
+    def add(self, addr: str, room: int, deadline: float) -> None:
+        with self.cv:
+            self.pending.setdefault(addr, {})[room] = deadline
+            self.cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while not self.pending and not self.closed:
+                    self.cv.wait()
+                if self.closed:
+                    return
+                work = {a: dict(r) for a, r in self.pending.items() if r}
+            for addr, rooms in work.items():
+                try:
+                    self._round(addr, rooms)
+                except Exception:  # noqa: BLE001 - the thread serves every room; keep it alive
+                    log.exception("dp-rank query round for %s failed", addr)
+            time.sleep(QUERY_ROUND_S)
+
+    def _round(self, addr: str, rooms: dict[int, float]) -> None:
+        try:
+            found, failed = self.client.query_dp_ranks(addr, sorted(rooms))
+            err = None
+        except PDServeError as e:
+            found, failed, err = {}, {}, e.message
+        now = time.monotonic()
+        for room, deadline in rooms.items():
+            if room in found:
+                self._answer(addr, room, found[room], None)
+            elif room in failed:
+                self._answer(addr, room, None, f"room {room}: prefill {addr} rejected it: {failed[room]}")
+            elif now > deadline:
+                self._answer(addr, room, None,
+                             f"room {room}: prefill {addr} recorded no DP rank for it in time "
+                             f"(PDSERVE_DP_RANK_QUERY_TIMEOUT)" + (f"; last error: {err}" if err else ""))
+
+    def _answer(self, addr: str, room: int, rank: int | None, error: str | None) -> None:
+        with self.cv:
+            self._drop(addr, room)
+        self.on_answer(addr, room, rank, error)
+
+    def cancel(self, addr: str, room: int) -> None:
+        with self.cv:
+            self._drop(addr, room)
+
+    def _drop(self, addr: str, room: int) -> None:
+        rooms = self.pending.get(addr)
+        if rooms is not None:
+            rooms.pop(room, None)
+            if not rooms:
+                del self.pending[addr]  # an empty entry would keep the thread polling
+
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify()
+        self.thread.join(timeout=2)
+
+
+class RankResolver:
+    def __init__(self, client: BootstrapClient, *, decode_force: bool, topology_timeout: float,
+                 query_timeout: float, on_result: Callable[[Resolved], None], threads: int = 4):
+        self.client = client
+        self.decode_force = decode_force
+        self.topology_timeout = topology_timeout
+        self.query_timeout = query_timeout
+        self.on_result = on_result
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="resolve")
+        self.batcher = QueryBatcher(client, self._on_query_answer)
+        self._started: dict[tuple[str, int], float] = {}
+        self._instances: dict[tuple[str, int], str] = {}  # topology instance, for the query path
+        self._lock = threading.Lock()
+
+    def resolve(self, addr: str, room: int, hint: int | None) -> None:
+        with self._lock:
+            self._started[(addr, room)] = time.monotonic()
+        self.pool.submit(self._job, addr, room, hint)
+
+    def cancel(self, addr: str, room: int) -> None:
+        self.batcher.cancel(addr, room)
+        with self._lock:
+            self._started.pop((addr, room), None)
+            self._instances.pop((addr, room), None)
+
+    def _job(self, addr: str, room: int, hint: int | None) -> None:
+        try:
+            topo = self.client.get_topology(addr, deadline_s=self.topology_timeout)
+            res = resolve_prefill_rank(topology=topo, hint=hint, room=room,
+                                       decode_force=self.decode_force)
+        except Exception as e:  # noqa: BLE001 - every room gets an answer
+            return self._finish(Resolved(room, addr, error=f"room {room}: prefill {addr}: "
+                                         f"{getattr(e, 'message', e)}"))
+        if res.rank is None:
+            with self._lock:
+                self._instances[(addr, room)] = topo.instance_id
+            self.batcher.add(addr, room, time.monotonic() + self.query_timeout)
+            return
+        self._lookup(addr, room, res.rank, res.path, topo.instance_id)
+
+    def _on_query_answer(self, addr: str, room: int, rank: int | None, error: str | None) -> None:
+        with self._lock:
+            instance_id = self._instances.pop((addr, room), "")
+        if error is not None:
+            return self._finish(Resolved(room, addr, path="query", instance_id=instance_id, error=error))
+        try:
+            self.pool.submit(self._lookup, addr, room, rank, "query", instance_id)
+        except RuntimeError:  # closed
+            pass
+
+    def _lookup(self, addr: str, room: int, rank: int, path: str, instance_id: str) -> None:
+        try:
+            info = self.client.get_rank_endpoint(addr, rank)
+        except Exception as e:  # noqa: BLE001 - every room gets an answer
+            return self._finish(Resolved(room, addr, rank, path, instance_id=instance_id,
+                                         error=f"room {room}: prefill {addr} dp_rank {rank}: "
+                                               f"{getattr(e, 'message', e)}"))
+        self._finish(Resolved(room, addr, rank, path, info, instance_id))
+
+    def _finish(self, r: Resolved) -> None:
+        with self._lock:
+            t0 = self._started.pop((r.addr, r.room), None)
+        if t0 is None:
+            return  # cancelled
+        r.seconds = time.monotonic() - t0
+        self.on_result(r)
+
+    def close(self, wait: bool = False) -> None:
+        """Stop the query thread and the lookup threads; `wait` joins the latter."""
+        self.batcher.close()
+        self.pool.shutdown(wait=wait, cancel_futures=True)

@@ -1,0 +1,129 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) in plain PyTorch, over paged KV.
+
+Tokens of all sequences in a step are one flat [T] batch; only attention needs to know which
+sequence a token belongs to, and `paged_attention` handles that from the `AttnBatch`.
+For speed, q/k/v are one matmul and gate/up another, and RoPE reads a precomputed cos/sin
+table by position, rotating q and k (adjacent in the fused output) in one go.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..model_files.hf_config import ModelConfig
+from .attention import AttnBatch, paged_attention
+from .kv_pool import KVPool
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Per-pair inverse frequencies [head_dim/2] (float32, as HF), with the config's rope scaling."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv
+    kind = scaling["rope_type"]
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv / factor
+    if kind == "llama3":
+        orig = float(scaling["original_max_position_embeddings"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        wavelen = 2 * math.pi / inv
+        # long wavelengths are slowed by `factor`, short ones kept, the band between blended
+        blend = ((orig / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+        return (1 - blend) * inv / factor + blend * inv
+    raise ValueError(f"rope_type {kind!r} is not supported")
+
+
+def rope_table(cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_positions, head_dim/2], computed in float32 like HF, stored in `dtype`."""
+    inv = rope_inv_freq(cfg)
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
+    return angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves of x [T, H, D] by cos/sin [T, 1, D/2] (HF's rotate_half convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm: normalize in float32, round to x's dtype, then scale. (F.rms_norm is
+    several times slower on CPU in bfloat16 once there are more than a few rows.)"""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _param(*shape: int, dtype, device) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, dtype, device):
+        super().__init__()
+        self.index = index
+        self.n_q = cfg.num_heads
+        self.n_kv = cfg.num_kv_heads
+        self.d = cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        h, qkv = cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.input_norm = _param(h, dtype=dtype, device=device)
+        self.qkv_proj = _param(qkv, h, dtype=dtype, device=device)
+        self.qkv_bias = _param(qkv, dtype=dtype, device=device) if cfg.qkv_bias else None
+        self.o_proj = _param(h, cfg.num_heads * cfg.head_dim, dtype=dtype, device=device)
+        self.o_bias = _param(h, dtype=dtype, device=device) if cfg.o_bias else None
+        self.post_norm = _param(h, dtype=dtype, device=device)
+        self.gate_up_proj = _param(2 * cfg.intermediate_size, h, dtype=dtype, device=device)
+        self.down_proj = _param(h, cfg.intermediate_size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: AttnBatch, pool: KVPool) -> torch.Tensor:
+        """x [T, hidden] is the residual stream; updated in place and returned."""
+        T = x.shape[0]
+        qkv = F.linear(rms_norm(x, self.input_norm, self.eps), self.qkv_proj, self.qkv_bias)
+        n_qk = self.n_q + self.n_kv
+        qk = apply_rope(qkv[:, : n_qk * self.d].view(T, n_qk, self.d), cos, sin)
+        v = qkv[:, n_qk * self.d:].view(T, self.n_kv, self.d)
+        attn = paged_attention(qk[:, : self.n_q], qk[:, self.n_q:], v, self.index, batch, pool)
+        x.add_(F.linear(attn, self.o_proj, self.o_bias))
+        gate_up = F.linear(rms_norm(x, self.post_norm, self.eps), self.gate_up_proj)
+        gate, up = gate_up.chunk(2, dim=-1)
+        x.add_(F.linear(F.silu(gate).mul_(up), self.down_proj))
+        return x
+
+
+class CausalLM(torch.nn.Module):
+    """forward(ids, positions, batch, pool) -> final-normed hidden [T, hidden];
+    logits(hidden) -> float32 [N, vocab]. Weights are left uninitialized: use loader.load_model."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = torch.nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else \
+            _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        cos, sin = rope_table(cfg, max_positions or cfg.max_position_embeddings, dtype, device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttnBatch,
+                pool: KVPool) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed_tokens)
+        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
+        sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch, pool)
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

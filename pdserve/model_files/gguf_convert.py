@@ -1,0 +1,191 @@
+"""Convert a GGUF file into an HF-style directory pdserve and transformers can both load.
+
+Every tensor is dequantized to float32 and renamed to HF names; llama.cpp's q/k row
+permutation (applied by its converter for the `llama` architecture only) is undone per head.
+The tokenizer is rebuilt from the GGUF metadata (see gguf_tokenizer.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors.numpy import save_file
+
+from .gguf_tokenizer import GGUFTokenizerData, build_tokenizer, tokenizer_config
+from .hf_config import UnsupportedModel
+
+CONVERTER_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    hf_architecture: str
+    model_type: str
+    unpermute_qk: bool  # llama.cpp permutes q/k rows for the llama architecture only
+
+
+GGUF_ARCHITECTURES = {
+    "llama": ArchSpec("LlamaForCausalLM", "llama", True),
+    "qwen2": ArchSpec("Qwen2ForCausalLM", "qwen2", False),
+}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+class GGUFMetadata:
+    """Typed access to a GGUF's key/value metadata."""
+
+    def __init__(self, reader: GGUFReader, path: str):
+        self._fields = reader.fields
+        self.path = path
+
+    def get(self, key: str, default=None):
+        f = self._fields.get(key)
+        return default if f is None else f.contents()
+
+    def get_float(self, key: str, default: float) -> float:
+        """A float32 field as the decimal it was written from (9.9999997e-06 -> 1e-05)."""
+        v = self.get(key)
+        return default if v is None else float(str(np.float32(v)))
+
+    def require(self, key: str):
+        v = self.get(key)
+        if v is None:
+            raise UnsupportedModel(f"{self.path}: GGUF metadata has no {key!r}")
+        return v
+
+
+def hf_name(gguf_name: str) -> str:
+    """llama.cpp tensor name -> HF transformers name."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        raise UnsupportedModel(f"GGUF tensor {gguf_name!r} has no HF equivalent in this converter")
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k permutation: per head it stores rows (pair, half) as (half, pair)."""
+    rows = w.shape[0]
+    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def convert_tensors(reader: GGUFReader, spec: ArchSpec, n_heads: int, n_kv_heads: int) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            raise UnsupportedModel("GGUF with rope_freqs (llama3-style rope scaling) is not supported; "
+                                   "use the HF directory instead")
+        name = hf_name(t.name)
+        w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if spec.unpermute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = unpermute_rows(w, n_heads)
+        elif spec.unpermute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = unpermute_rows(w, n_kv_heads)
+        out[name] = np.ascontiguousarray(w)
+    return out
+
+
+def hf_config(meta: GGUFMetadata, spec: ArchSpec, arch: str, vocab_size: int, tied: bool,
+              eos_ids: list[int]) -> dict:
+    """A config.json for transformers' AutoModelForCausalLM (and our ModelConfig)."""
+    hidden = int(meta.require(f"{arch}.embedding_length"))
+    heads = int(meta.require(f"{arch}.attention.head_count"))
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind not in ("none", "linear"):
+        raise UnsupportedModel(f"{meta.path}: GGUF rope scaling {kind!r} is not supported")
+    scaling = {"rope_type": "linear", "factor": meta.get_float(f"{arch}.rope.scaling.factor", 1.0)} \
+        if kind == "linear" else None
+    cfg = {
+        "architectures": [spec.hf_architecture],
+        "model_type": spec.model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": int(meta.require(f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(meta.require(f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+        "hidden_act": "silu",
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
+        "rms_norm_eps": meta.get_float(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": meta.get_float(f"{arch}.rope.freq_base", 10000.0),
+        "rope_scaling": scaling,
+        "tie_word_embeddings": tied,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
+        "torch_dtype": "float32",
+    }
+    if spec.model_type == "llama":
+        cfg["attention_bias"] = False
+    if spec.model_type == "qwen2":
+        cfg["use_sliding_window"] = False
+    return cfg
+
+
+def tokenizer_data(meta: GGUFMetadata, arch: str) -> GGUFTokenizerData:
+    return GGUFTokenizerData(
+        model=meta.require("tokenizer.ggml.model"),
+        pre=meta.get("tokenizer.ggml.pre", "default"),
+        tokens=list(meta.require("tokenizer.ggml.tokens")),
+        token_types=list(meta.get("tokenizer.ggml.token_type", [])),
+        merges=list(meta.get("tokenizer.ggml.merges", [])),
+        bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_id=meta.get("tokenizer.ggml.eos_token_id"),
+        unk_id=meta.get("tokenizer.ggml.unknown_token_id"),
+        pad_id=meta.get("tokenizer.ggml.padding_token_id"),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        chat_template=meta.get("tokenizer.chat_template"),
+        context_length=int(meta.get(f"{arch}.context_length", 2048)),
+    )
+
+
+def convert_gguf(gguf_path: str, out_dir: str) -> None:
+    """Write config.json, generation_config.json, model.safetensors, tokenizer.json and
+    tokenizer_config.json for `gguf_path` into the existing directory `out_dir`."""
+    reader = GGUFReader(gguf_path)
+    meta = GGUFMetadata(reader, gguf_path)
+    arch = meta.require("general.architecture")
+    spec = GGUF_ARCHITECTURES.get(arch)
+    if spec is None:
+        raise UnsupportedModel(f"{gguf_path}: GGUF architecture {arch!r} is not supported; "
+                               f"supported: {', '.join(GGUF_ARCHITECTURES)}")
+    heads = int(meta.require(f"{arch}.attention.head_count"))
+    tensors = convert_tensors(reader, spec, heads, int(meta.get(f"{arch}.attention.head_count_kv", heads)))
+    tok_data = tokenizer_data(meta, arch)
+    eos_ids = [i for i in (tok_data.eos_id, meta.get("tokenizer.ggml.eot_token_id")) if i is not None]
+    eos_ids = list(dict.fromkeys(eos_ids))
+    vocab_size = tensors["model.embed_tokens.weight"].shape[0]
+    config = hf_config(meta, spec, arch, vocab_size, "lm_head.weight" not in tensors, eos_ids)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+    build_tokenizer(tok_data).save(os.path.join(out_dir, "tokenizer.json"))
+    st = os.stat(gguf_path)
+    docs = {
+        "config.json": config,
+        "generation_config.json": {"bos_token_id": tok_data.bos_id, "eos_token_id": eos_ids or None},
+        "tokenizer_config.json": tokenizer_config(tok_data),
+        "pdserve_source.json": {"gguf": os.path.abspath(gguf_path), "size": st.st_size,
+                                "mtime_ns": st.st_mtime_ns, "converter_version": CONVERTER_VERSION},
+    }
+    for name, doc in docs.items():
+        with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=2, ensure_ascii=False)

@@ -1,0 +1,193 @@
+"""The FastAPI app of a server front: the routes of DESIGN section 3 over one `Front`.
+
+The app's lifespan starts the front (workers, role) and stops it on shutdown. Every error
+leaves as JSON {"error": {"message", "type", "code"}}; nothing escapes as a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from ..core.errors import BadRequest, NotFound, PDServeError, Unavailable
+from .front import Front, error_from
+from .generation import ActiveRequest
+from .http_utils import (SSE_DONE, ApiKeyMiddleware, ClientGone, SSEResponse, error_response, json_body,
+                         sse, until_disconnect)
+from .native_api import NativeCall, item_reply, parse_generate
+from .openai_api import OpenAIReply
+from .openai_protocol import parse_chat, parse_completion
+from .request_state import ItemProgress
+
+log = logging.getLogger(__name__)
+CLIENT_CLOSED = 499  # nginx's code for "client closed request"; never seen by the client
+
+
+async def collect(active: ActiveRequest) -> list[ItemProgress]:
+    """Run every item to the end; a worker error fails the whole request."""
+    async for prog in active.events():
+        if prog.error:
+            raise error_from(prog.error)
+    return sorted(active.progress.values(), key=lambda p: p.item.index)
+
+
+async def _guarded(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Turn a failure mid-stream into an error event; always end with [DONE]."""
+    try:
+        async for chunk in events:
+            yield chunk
+    except PDServeError as e:
+        yield sse(e.to_json())
+    except Exception as e:  # noqa: BLE001 - the stream must end cleanly
+        log.exception("stream failed")
+        yield sse(PDServeError(f"internal error: {type(e).__name__}: {e}").to_json())
+    yield SSE_DONE
+
+
+async def native_events(front: Front, call: NativeCall, active: ActiveRequest) -> AsyncIterator[bytes]:
+    async for prog in active.events():
+        if prog.error:
+            raise error_from(prog.error)
+        yield sse(item_reply(prog, front.tokenizer, call.text_in_logprobs,
+                             prog.item.index if call.batched else None))
+
+
+async def openai_events(reply: OpenAIReply, active: ActiveRequest) -> AsyncIterator[bytes]:
+    async for prog in active.events():
+        if prog.error:
+            raise error_from(prog.error)
+        chunk = reply.chunk(prog)
+        if chunk is not None:
+            yield sse(chunk)
+    usage = reply.usage_chunk(list(active.progress.values()))
+    if usage is not None:
+        yield sse(usage)
+
+
+async def _finish(request: Request, active: ActiveRequest, stream_events, build_reply) -> Response:
+    """Stream (SSE) or collect-then-reply; the workers are aborted if the client leaves."""
+    if stream_events is not None:
+        return SSEResponse(_guarded(stream_events), active.close)
+    try:
+        progs = await until_disconnect(request, collect(active))
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    finally:
+        active.close()
+    return JSONResponse(build_reply(progs))
+
+
+def _install_error_handlers(app: FastAPI, front: Front) -> None:
+    async def on_pdserve_error(request: Request, exc: PDServeError):
+        front.metrics.error(exc.status)
+        if exc.status >= 500:
+            log.error("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
+        return error_response(exc)
+
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        err = NotFound(f"no route {request.method} {request.url.path}") if exc.status_code == 404 else \
+            PDServeError(str(exc.detail))
+        err.status = exc.status_code
+        return error_response(err)
+
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        return error_response(BadRequest(str(exc)))
+
+    async def on_any_error(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        front.metrics.error(500)
+        return error_response(PDServeError(f"internal error: {type(exc).__name__}: {exc}"))
+
+    app.add_exception_handler(PDServeError, on_pdserve_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(Exception, on_any_error)
+
+
+def build_app(front: Front, should_abort: Callable[[], bool] | None = None) -> FastAPI:
+    """The ASGI app; its lifespan starts and stops `front` (and so the worker processes)."""
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        try:
+            await front.start(should_abort)
+            yield
+        finally:
+            await front.stop()
+
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.front = front
+    _install_error_handlers(app, front)
+    if front.cfg.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=front.cfg.api_key)
+    tok = front.tokenizer
+
+    @app.get("/health")
+    async def health():
+        if not front.healthy():
+            why = "; ".join(f"dp rank {r}: {w}" for r, w in sorted(front.pool.dead.items())) or "not ready"
+            return error_response(Unavailable(f"unhealthy: {why}"))
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        await front.health_generate()
+        return Response(status_code=200)
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info():
+        return await front.server_info()
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info():
+        return front.model_info()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": front.model_name, "object": "model", "created": int(time.time()), "owned_by": "pdserve",
+            "root": front.model_dir, "max_model_len": front.generator.limits.max_context}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(front.metrics.render(), media_type=front.metrics.content_type)
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        front.metrics.request("generate")
+        call = parse_generate(await json_body(request), tok)
+        active = front.generator.start(call.items)
+        events = native_events(front, call, active) if call.stream else None
+
+        def reply(progs):
+            out = [item_reply(p, tok, call.text_in_logprobs) for p in progs]
+            return out if call.batched else out[0]
+        return await _finish(request, active, events, reply)
+
+    async def openai_route(request: Request, chat: bool):
+        front.metrics.request("chat" if chat else "completions")
+        body = await json_body(request)
+        call = (parse_chat if chat else parse_completion)(body, tok)
+        reply = OpenAIReply(call, tok, call.model or front.model_name, chat)
+        active = front.generator.start(call.items)
+        events = openai_events(reply, active) if call.stream else None
+        return await _finish(request, active, events, reply.full)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await openai_route(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await openai_route(request, chat=True)
+
+    return app

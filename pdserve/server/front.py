@@ -1,0 +1,145 @@
+"""One server front: tokenizer, DP worker pool, dispatcher, role and request path together.
+
+Lifecycle (driven by the app's lifespan): the tokenizer is read at construction (a bad model
+dir fails at once); `start()` runs the role's before_workers hook, starts the workers
+(deadline), builds the request path from their limits, then starts the role. `stop()` stops
+the role, then the workers; it is idempotent and never raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from typing import Callable
+
+from .. import __version__
+from ..core.config import ServerConfig
+from ..core.errors import PDServeError, Unavailable
+from ..core.messages import WorkerReady
+from ..core.sampling import SamplingParams
+from .dispatcher import DPDispatcher
+from .generation import Generator, Limits
+from .metrics import FrontMetrics
+from .protocol import RequestItem
+from .roles import Dispatch, FrontRole, RoleContext, make_role
+from .tokenizer import ServerTokenizer
+from .worker_cmd import DEFAULT_WORKER_MODULE
+from .worker_pool import WorkerPool
+
+log = logging.getLogger(__name__)
+
+
+class Front:
+    def __init__(self, cfg: ServerConfig, model_dir: str, worker_module: str = DEFAULT_WORKER_MODULE,
+                 role: FrontRole | None = None, start_timeout_s: float = 600.0,
+                 stats_timeout_s: float = 10.0, health_timeout_s: float = 30.0):
+        self.cfg = cfg
+        self.model_dir = os.path.abspath(model_dir)
+        self.tokenizer = ServerTokenizer.from_dir(self.model_dir)
+        self.role = role or make_role(cfg)
+        self.dispatcher = DPDispatcher(cfg.dp_size, self.role.lb_method())
+        self.pool = WorkerPool(cfg, self.model_dir, worker_module, start_timeout_s)
+        self.metrics = FrontMetrics(self.role.role.value)
+        self.stats_timeout_s = stats_timeout_s
+        self.health_timeout_s = health_timeout_s
+        self.ready: list[WorkerReady] = []
+        self._generator: Generator | None = None
+        self._health_rank = 0
+        self._role_started = False
+
+    @property
+    def model_name(self) -> str:
+        return self.cfg.served_model_name or os.path.basename(self.model_dir.rstrip("/")) or self.model_dir
+
+    @property
+    def generator(self) -> Generator:
+        if self._generator is None:
+            raise Unavailable("the server is not ready: its workers are starting or stopping")
+        return self._generator
+
+    async def start(self, should_abort: Callable[[], bool] | None = None) -> None:
+        self._role_started = True  # stop() must stop the role from here on
+        await self.role.before_workers()
+        self.ready = await self.pool.start(should_abort)
+        vocab = min((r.info.get("vocab_size") or self.tokenizer.vocab_size) for r in self.ready)
+        limits = Limits(max_context=min(r.max_context for r in self.ready), vocab_size=vocab)
+        self._generator = Generator(self.pool, self.dispatcher, self.role, self.tokenizer, limits,
+                                    self.metrics)
+        await self.role.start(RoleContext(list(self.ready), self.pool.send))
+        log.info("front ready: role=%s dp_size=%d method=%s context=%d vocab=%d", self.role.role.value,
+                 self.cfg.dp_size, self.dispatcher.method.value, limits.max_context, vocab)
+
+    async def stop(self) -> None:
+        self._generator = None
+        if self._role_started:
+            self._role_started = False
+            try:
+                await self.role.stop()
+            except Exception:
+                log.exception("role stop failed")
+        await self.pool.stop()
+
+    def healthy(self) -> bool:
+        return self._generator is not None and not self.pool.dead
+
+    async def health_generate(self) -> None:
+        """One 1-token greedy generation on the next rank (round robin), PD fields unset."""
+        gen = self.generator
+        rank = self._health_rank
+        self._health_rank = (rank + 1) % self.cfg.dp_size
+        ids = self.tokenizer.encode("Hi", add_special_tokens=True)[-4:] or [0]
+        item = RequestItem(0, f"health_generate_{uuid.uuid4().hex}", ids,
+                           SamplingParams(max_new_tokens=1, temperature=0.0), True)
+        active = gen.start([item], Dispatch(rank, "health_generate"))
+        try:
+            async def run():
+                async for prog in active.events():
+                    if prog.error:
+                        raise Unavailable(f"health_generate on dp rank {rank} failed: {prog.error.message}")
+            await asyncio.wait_for(run(), self.health_timeout_s)
+        except asyncio.TimeoutError:
+            raise Unavailable(f"health_generate on dp rank {rank} did not finish within "
+                              f"{self.health_timeout_s}s") from None
+        finally:
+            active.close("health check ended")
+
+    def model_info(self) -> dict:
+        return {"model_path": self.model_dir, "tokenizer_path": self.model_dir, "is_generation": True,
+                "served_model_name": self.model_name}
+
+    async def server_info(self) -> dict:
+        stats = await self.pool.stats(self.stats_timeout_s)
+        page_size = self.ready[0].page_size if self.ready else self.cfg.page_size
+        limits = self.generator.limits
+        workers = []
+        for s in stats:
+            load = self.dispatcher.loads[s.dp_rank]
+            workers.append({"dp_rank": s.dp_rank, "total_pages": s.total_pages, "free_pages": s.free_pages,
+                            "cached_pages": s.cached_pages, "running_requests": s.running_requests,
+                            "waiting_requests": s.waiting_requests,
+                            "inflight_transfers": s.inflight_transfers,
+                            "front_inflight_requests": load.requests, "front_inflight_tokens": load.tokens,
+                            "extra": s.extra})
+        info = {
+            "model_path": self.model_dir, "tokenizer_path": self.model_dir,
+            "served_model_name": self.model_name, "role": self.role.role.value,
+            "disaggregation_mode": self.role.disaggregation_mode, "dp_size": self.cfg.dp_size, "tp_size": 1,
+            "load_balance_method": self.dispatcher.method.value, "page_size": page_size,
+            "bootstrap_port": self.cfg.bootstrap_port, "transfer_backend": self.cfg.transfer_backend,
+            "version": __version__, "host": self.cfg.host, "port": self.cfg.port,
+            "context_length": limits.max_context, "vocab_size": limits.vocab_size,
+            "max_total_num_tokens": min(s.total_pages for s in stats) * page_size,
+            "workers": workers,
+        }
+        info.update(self.role.server_info())
+        return info
+
+
+def error_from(info) -> PDServeError:
+    """A worker's ErrorInfo as an exception carrying its status and type."""
+    err = PDServeError(info.message)
+    err.status = info.status
+    err.type = info.type
+    return err

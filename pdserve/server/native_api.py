@@ -1,0 +1,83 @@
+"""SGLang's native `POST /generate`: body -> request items, progress -> reply JSON."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core.errors import BadRequest
+from ..core.sampling import SamplingParams
+from .protocol import RequestItem, build_items, check_token_ids, opt_bool
+from .request_state import ItemProgress
+from .tokenizer import ServerTokenizer
+
+
+@dataclass(frozen=True)
+class NativeCall:
+    items: list[RequestItem]
+    stream: bool
+    batched: bool  # reply with a list
+    text_in_logprobs: bool
+
+
+def _prompts(body: dict, tok: ServerTokenizer) -> tuple[list[list[int]], bool]:
+    text, ids = body.get("text"), body.get("input_ids")
+    if text is not None and ids is not None:
+        raise BadRequest("give either text or input_ids, not both")
+    if text is None and ids is None:
+        raise BadRequest("the request needs text or input_ids")
+    if text is not None:
+        if isinstance(text, str):
+            texts, batched = [text], False
+        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            texts, batched = text, True
+        else:
+            raise BadRequest("text must be a string or a non-empty list of strings")
+        if any(t == "" for t in texts):
+            raise BadRequest("text must not be empty")
+        return [tok.encode(t) for t in texts], batched
+    if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
+        return [check_token_ids(x, f"input_ids[{i}]") for i, x in enumerate(ids)], True
+    return [check_token_ids(ids, "input_ids")], False
+
+
+def parse_generate(body: dict, tok: ServerTokenizer) -> NativeCall:
+    prompts, batched = _prompts(body, tok)
+    sp = body.get("sampling_params")
+    if isinstance(sp, list):
+        if len(sp) != len(prompts):
+            raise BadRequest(f"sampling_params has {len(sp)} entries for {len(prompts)} prompts")
+        raw = sp
+    else:
+        raw = [sp] * len(prompts)
+    sampling = [SamplingParams.from_json(x) for x in raw]
+    given = [isinstance(x, dict) and x.get("max_new_tokens") is not None for x in raw]
+    return_logprob = opt_bool(body, "return_logprob")
+    items = build_items(body, prompts, sampling, given, return_logprob)
+    return NativeCall(items, opt_bool(body, "stream"), batched or len(items) > 1,
+                      opt_bool(body, "return_text_in_logprobs"))
+
+
+def _logprob_list(logprobs, ids, tok: ServerTokenizer | None) -> list:
+    return [[lp, t, tok.token_text(t) if tok else None] for lp, t in zip(logprobs, ids)]
+
+
+def item_reply(prog: ItemProgress, tok: ServerTokenizer, text_in_logprobs: bool,
+               index: int | None = None) -> dict:
+    """The reply for one item (final or a streamed snapshot with the text safe to show so far)."""
+    meta = dict(prog.meta)
+    meta.update({
+        "id": prog.rid,
+        "prompt_tokens": prog.prompt_tokens,
+        "completion_tokens": len(prog.output_ids),
+        "finish_reason": prog.finish_reason,
+        "e2e_latency": round(prog.e2e_latency(), 6),
+    })
+    if prog.item.return_logprob:
+        name_tok = tok if text_in_logprobs else None
+        inp = prog.input_logprobs or []
+        meta["input_token_logprobs"] = _logprob_list(inp, prog.item.input_ids, name_tok)
+        meta["output_token_logprobs"] = _logprob_list(prog.output_logprobs, prog.output_ids, name_tok)
+    out = {"text": prog.visible_text(), "output_ids": list(prog.output_ids), "meta_info": meta}
+    if index is not None:
+        out["index"] = index
+    return out

@@ -1,0 +1,106 @@
+"""The prefill and decode roles of a server front (DESIGN sections 2-4).
+
+Prefill: runs the bootstrap service and applies the prefill DP-rank rules where the rank is
+chosen: every PD room is recorded in the bootstrap table; a follow_bootstrap_room conflict is
+rejected at once, recorded as failed, and the worker the room implies is told, so a decode
+that contacts it or queries the room fails at once with the same message.
+Decode: requires the PD fields and dispatches by its own method.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..core.config import Role, ServerConfig
+from ..core.envs import Envs
+from ..core.errors import BadRequest
+from ..core.messages import PDParams, RoomFailedNotice
+from ..disagg.bootstrap_server import start_bootstrap_server
+from ..disagg.bootstrap_table import BootstrapTable
+from ..disagg.dp_rules import check_room, decide_prefill_rank
+from .dispatcher import DPDispatcher, LBMethod
+from .protocol import RequestItem
+from .roles import Dispatch, FrontRole, RoleContext
+
+log = logging.getLogger(__name__)
+
+
+def _pd_params(item: RequestItem, role: str) -> PDParams:
+    pd = item.pd
+    if pd.bootstrap_room is None or pd.bootstrap_host is None:
+        raise BadRequest(f"a {role} server needs bootstrap_host and bootstrap_room "
+                         "(send the request through a PD router)")
+    room = check_room(pd.bootstrap_room)
+    if pd.prefill_dp_rank is not None and pd.prefill_dp_rank < 0:
+        raise BadRequest(f"disagg_prefill_dp_rank={pd.prefill_dp_rank} must be >= 0")
+    return PDParams(pd.bootstrap_host, pd.bootstrap_port, room, pd.prefill_dp_rank)
+
+
+class PrefillFrontRole(FrontRole):
+    role = Role.PREFILL
+    auto_method = LBMethod.FOLLOW_BOOTSTRAP_ROOM
+
+    def __init__(self, cfg: ServerConfig, envs: Envs | None = None):
+        super().__init__(cfg)
+        envs = envs or Envs.read()
+        self.force = cfg.force_query_prefill_dp_rank or envs.force_query_prefill_dp_rank
+        self.table = BootstrapTable(dp_size=cfg.dp_size, force_query_dp_rank=self.force,
+                                    ttl=envs.room_ttl)
+        self.bootstrap = None
+        self.notify = lambda rank, msg: False
+
+    async def start(self, ctx: RoleContext) -> None:
+        self.notify = ctx.send_to_worker  # RoomFailedNotice to the rank a rejected room implies
+
+    async def before_workers(self) -> None:
+        self.bootstrap = await start_bootstrap_server(self.table, self.cfg.host, self.cfg.bootstrap_port)
+        log.info("bootstrap service on %s:%d", self.cfg.host, self.bootstrap.port)
+
+    def dispatch(self, item: RequestItem, dispatcher: DPDispatcher) -> Dispatch:
+        pd = _pd_params(item, "prefill")
+        dp = self.cfg.dp_size
+        if pd.prefill_dp_rank is not None:
+            dispatcher.check_rank(pd.prefill_dp_rank, "disagg_prefill_dp_rank")
+        if item.routed_dp_rank is not None:
+            dispatcher.check_rank(item.routed_dp_rank)
+        balanced = pd.bootstrap_room % dp if dispatcher.method is LBMethod.FOLLOW_BOOTSTRAP_ROOM \
+            else dispatcher.choose(pd.bootstrap_room).dp_rank
+        d = decide_prefill_rank(dp_size=dp, method=dispatcher.method.value, room=pd.bootstrap_room,
+                                routed_dp_rank=item.routed_dp_rank,
+                                prefill_dp_rank_hint=pd.prefill_dp_rank, force=self.force,
+                                balanced_rank=balanced)
+        if d.failed_reason is not None:
+            self.table.record_failed(pd.bootstrap_room, d.failed_reason)
+            self.notify(pd.bootstrap_room % dp, RoomFailedNotice(pd.bootstrap_room, d.failed_reason))
+            log.warning("room %d rejected: %s", pd.bootstrap_room, d.failed_reason)
+            raise BadRequest(d.failed_reason)
+        if d.record:
+            self.table.record(pd.bootstrap_room, d.rank)
+        return Dispatch(d.rank, d.path, pd)
+
+    def server_info(self) -> dict:
+        return {"bootstrap_port": self.cfg.bootstrap_port, "force_query_prefill_dp_rank": self.force,
+                "bootstrap_rooms": len(self.table), "bootstrap_instance_id": self.table.instance_id}
+
+    async def stop(self) -> None:
+        if self.bootstrap is not None:
+            await self.bootstrap.stop()
+            self.bootstrap = None
+
+
+class DecodeFrontRole(FrontRole):
+    role = Role.DECODE
+    auto_method = LBMethod.ROUND_ROBIN
+
+    def __init__(self, cfg: ServerConfig, envs: Envs | None = None):
+        super().__init__(cfg)
+        envs = envs or Envs.read()
+        self.force = cfg.force_query_prefill_dp_rank or envs.force_query_prefill_dp_rank
+
+    def dispatch(self, item: RequestItem, dispatcher: DPDispatcher) -> Dispatch:
+        pd = _pd_params(item, "decode")
+        choice = dispatcher.choose(pd.bootstrap_room, item.routed_dp_rank)
+        return Dispatch(choice.dp_rank, choice.reason, pd)
+
+    def server_info(self) -> dict:
+        return {"force_query_prefill_dp_rank": self.force}

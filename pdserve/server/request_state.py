@@ -1,0 +1,105 @@
+"""The front's view of one request item while it runs: output ids, incremental text with stop
+strings applied, logprobs, finish reason or error. Both reply styles (native, OpenAI) read it."""
+
+from __future__ import annotations
+
+import time
+
+from ..core.messages import ErrorInfo, TokenOutput
+from .detokenizer import IncrementalDetokenizer
+from .protocol import RequestItem
+from .tokenizer import ServerTokenizer
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that could still grow into a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+class ItemProgress:
+    """Fold TokenOutputs into cumulative state; `apply` says when a stop string matched."""
+
+    def __init__(self, item: RequestItem, tokenizer: ServerTokenizer, arrival: float | None = None):
+        self.item = item
+        self.detok = IncrementalDetokenizer(tokenizer, item.input_ids)
+        self.stops = item.sampling.stop
+        self.max_stop = max((len(s) for s in self.stops), default=0)
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self.text = ""
+        self.output_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.input_logprobs: list[float | None] | None = None
+        self.prompt_tokens = len(item.input_ids)
+        self.finish_reason: dict | None = None
+        self.error: ErrorInfo | None = None
+        self.meta: dict = {}
+        self.finished = False
+        self.finish_time: float | None = None
+
+    @property
+    def rid(self) -> str:
+        return self.item.rid
+
+    def visible_text(self) -> str:
+        """Text safe to show now: a tail that may become a stop string waits for more tokens."""
+        if self.finished or not self.stops:
+            return self.text
+        return self.text[:len(self.text) - held_back(self.text, self.stops)]
+
+    def e2e_latency(self) -> float:
+        return (self.finish_time or time.monotonic()) - self.arrival
+
+    def apply(self, out: TokenOutput) -> bool:
+        """Fold one output in; True means a stop string matched and the worker must be aborted."""
+        if self.finished:
+            return False
+        self.meta.update(out.meta)
+        if out.prompt_tokens:
+            self.prompt_tokens = out.prompt_tokens
+        if out.input_logprobs is not None:
+            self.input_logprobs = list(out.input_logprobs)
+        if out.error is not None:
+            self.error = out.error
+            self._finish(out.finish_reason or {"type": "abort", "message": out.error.message})
+            return False
+        matched = (out.finish_reason or {}).get("matched") if out.finished else None
+        ids = out.token_ids
+        for k, tid in enumerate(ids):
+            self.output_ids.append(tid)
+            if out.token_logprobs is not None and k < len(out.token_logprobs):
+                self.output_logprobs.append(out.token_logprobs[k])
+            if isinstance(matched, int) and k == len(ids) - 1 and tid == matched:
+                break  # a matched stop token is reported but not shown as text
+            if self._add_text(self.detok.add(tid)):
+                return True
+        if out.finished:
+            if self._add_text(self.detok.flush()):
+                return True
+            self._finish(out.finish_reason or {"type": "length", "length": len(self.output_ids)})
+        return False
+
+    def _add_text(self, delta: str) -> bool:
+        if not delta:
+            return False
+        start = max(0, len(self.text) - self.max_stop + 1)
+        self.text += delta
+        if not self.stops:
+            return False
+        hits = [(p, s) for s in self.stops if (p := self.text.find(s, start)) >= 0]
+        if not hits:
+            return False
+        pos, stop = min(hits)
+        self.text = self.text[:pos]
+        self._finish({"type": "stop", "matched": stop})
+        return True
+
+    def _finish(self, reason: dict) -> None:
+        self.finished = True
+        self.finish_reason = reason
+        self.finish_time = time.monotonic()

@@ -1,0 +1,105 @@
+"""What a server front does differently per role (colocated, prefill, decode), behind one ABC.
+
+The request path (generation.py) is the same for every role: it asks the role where each
+item goes and what PD parameters the worker gets, and never looks at the role itself.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+from ..core.config import Role, ServerConfig
+from ..core.messages import PDParams, WorkerReady
+from .dispatcher import DPDispatcher, LBMethod
+from .protocol import RequestItem
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Where one item goes: the DP rank, why (for logs and timelines), and its PD parameters."""
+
+    dp_rank: int
+    reason: str
+    pd: PDParams | None = None
+
+
+@dataclass(frozen=True)
+class RoleContext:
+    """What a role gets at start: every rank's WorkerReady (rank order) and a way to send a
+    core.messages object to one rank (False if it could not be queued)."""
+
+    workers: list[WorkerReady]
+    send_to_worker: Callable[[int, object], bool]
+
+
+class FrontRole(ABC):
+    """A server role as seen by the HTTP front.
+
+    Contract:
+    - `auto_method` is what `--load-balance-method auto` means for this role.
+    - `dispatch(item, dispatcher)` runs once per request item, before anything is sent to a
+      worker, on the event loop (no blocking). It returns a `Dispatch` or raises a PDServeError
+      (BadRequest for bad or conflicting PD fields); on error nothing of the request is sent.
+      It may record state (e.g. a prefill's bootstrap table) but must not start work.
+    - `server_info()` returns extra fields merged into /server_info.
+    - `before_workers()` runs before any worker process starts (e.g. the bootstrap service the
+      workers register with); `start(ctx)` after every worker is ready and before the first
+      request; `stop()` once at shutdown if `before_workers` ran, before the workers are
+      stopped, and must not raise. Each has its own deadlines.
+    """
+
+    role: Role
+    auto_method: LBMethod = LBMethod.ROUND_ROBIN
+
+    def __init__(self, cfg: ServerConfig):
+        self.cfg = cfg
+
+    @property
+    def disaggregation_mode(self) -> str | None:
+        return None if self.role is Role.COLOCATED else self.role.value
+
+    def lb_method(self) -> LBMethod:
+        m = self.cfg.load_balance_method
+        return self.auto_method if m == "auto" else LBMethod(m)
+
+    @abstractmethod
+    def dispatch(self, item: RequestItem, dispatcher: DPDispatcher) -> Dispatch:
+        ...
+
+    def server_info(self) -> dict:
+        return {}
+
+    async def before_workers(self) -> None:
+        pass
+
+    async def start(self, ctx: RoleContext) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+class ColocatedRole(FrontRole):
+    """Each worker prefills and decodes itself; PD fields are accepted and ignored."""
+
+    role = Role.COLOCATED
+
+    def dispatch(self, item: RequestItem, dispatcher: DPDispatcher) -> Dispatch:
+        choice = dispatcher.choose(item.pd.bootstrap_room, item.routed_dp_rank)
+        return Dispatch(choice.dp_rank, choice.reason, None)
+
+
+def role_classes() -> dict[Role, type[FrontRole]]:
+    from .pd_roles import DecodeFrontRole, PrefillFrontRole  # loads disagg: only PD servers need it
+
+    return {Role.COLOCATED: ColocatedRole, Role.PREFILL: PrefillFrontRole, Role.DECODE: DecodeFrontRole}
+
+
+def make_role(cfg: ServerConfig) -> FrontRole:
+    role = Role(cfg.role)
+    cls = ColocatedRole if role is Role.COLOCATED else role_classes().get(role)
+    if cls is None:
+        raise ValueError(f"server role {role.value!r} has no front implementation")
+    return cls(cfg)

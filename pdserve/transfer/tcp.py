@@ -1,0 +1,299 @@
+"""The built-in tcp backend: page bytes and control messages share one ordered stream per peer.
+
+Each backend listens (an accept thread, one reader thread per inbound connection) and keeps one
+cached outbound connection per peer. A peer's frames (tcp_wire.py) share that connection and
+are read by one thread, so a MSG reaches `recv()` only after every earlier WRITE is in memory.
+A WRITE outside the receiver's pool poisons its connection: the reader discards the rest and
+sends an ERROR frame back, which the sender raises on its next call to that peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..core.kv_layout import KVLayout
+from . import tcp_wire as wire
+from .base import Inbox, PageCopy, TransferBackend, TransferError, memory_view, out_of_bounds, peer_name
+
+log = logging.getLogger(__name__)
+Frame = wire.Frame
+
+
+@dataclass
+class _OutConn:
+    """The cached outbound connection to one peer; `lock` serializes everything sent on it."""
+
+    sock: socket.socket | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _advertised_ip(host: str) -> str:
+    if host not in ("", "0.0.0.0"):
+        return host
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))  # no packet is sent; picks the outbound interface
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+class TcpBackend(TransferBackend):
+    """Sockets over TCP. Outbound: one cached connection per peer, reconnected once when found
+    closed at the start of a call; a failure in the middle of a call raises (bytes may be lost)."""
+
+    name = "tcp"
+
+    def __init__(self, connect_timeout: float = 5.0, io_timeout: float = 60.0,
+                 sockbuf_bytes: int = 4 << 20):
+        super().__init__()
+        self.connect_timeout = connect_timeout
+        self.io_timeout = io_timeout
+        self.sockbuf_bytes = sockbuf_bytes
+        self._inbox = Inbox()
+        self._lock = threading.Lock()  # guards _out, _inbound, _closed
+        self._out: dict[tuple, _OutConn] = {}
+        self._inbound: dict[socket.socket, threading.Thread] = {}
+        self._closed = False
+        self._stop = threading.Event()
+        self._listener: socket.socket | None = None
+        self._acceptor: threading.Thread | None = None
+        self._mem = memoryview(bytearray())
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0) -> dict:
+        if self.endpoint is not None or self._closed:
+            raise TransferError("a tcp backend starts once; create a new one")
+        self.layout = layout
+        self._mem = memory_view(layout.base_ptr, layout.total_bytes)
+        lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._tune(lst)  # accepted sockets inherit the buffer sizes (window scale is set at SYN)
+            lst.bind((host, port))
+            lst.listen(128)
+        except OSError as e:
+            lst.close()
+            raise TransferError(f"tcp transfer backend cannot listen on {host}:{port}: {e}") from None
+        lst.settimeout(0.2)  # the accept loop polls _stop
+        self._listener = lst
+        self.endpoint = {"backend": self.name, "version": self.protocol_version,
+                         "ip": _advertised_ip(host), "port": lst.getsockname()[1],
+                         "instance": secrets.token_hex(8)}
+        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True,
+                                          name=f"pdserve-tcp-accept-{self.endpoint['port']}")
+        self._acceptor.start()
+        return dict(self.endpoint)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            outs, inbound = list(self._out.values()), dict(self._inbound)
+            self._out.clear()
+        self._stop.set()
+        self._inbox.close()  # wakes a blocked recv()
+        for conn in outs:
+            self._shutdown(conn.sock)  # without the lock: a blocked sendall fails at once
+        for sock in [self._listener, *inbound]:
+            self._shutdown(sock)  # wakes accept() and recv_into() at once on Linux
+        for t in [self._acceptor, *inbound.values()]:
+            if t is not None and t is not threading.current_thread():
+                t.join(timeout=5.0)
+                if t.is_alive():
+                    log.error("tcp transfer thread %s did not stop within 5s", t.name)
+        if self._listener is not None:
+            self._listener.close()
+        for conn in outs:
+            sock = conn.sock
+            if sock is not None:
+                sock.close()
+
+    # -- outbound ------------------------------------------------------------------------------
+    def send(self, peer: dict, msg: dict) -> None:
+        self.check_peer(peer)
+        frame = wire.dict_frame(Frame.MSG, msg)
+        self._on_conn(peer, lambda sock: sock.sendall(frame))
+
+    def _copy(self, peer: dict, copies: list[PageCopy]) -> tuple[float, float]:
+        mem = self._mem
+
+        def move(sock: socket.socket) -> tuple[float, float]:
+            started = time.time()
+            for bufs in wire.write_frames(copies, mem):
+                wire.send_gather(sock, bufs)
+            return started, time.time()
+
+        return self._on_conn(peer, move)
+
+    def _on_conn(self, peer: dict, op):
+        name = peer_name(peer)
+        key = (peer["ip"], int(peer["port"]), peer.get("instance"))
+        with self._lock:
+            if self._closed or self.endpoint is None:
+                raise TransferError(f"tcp backend is {'closed' if self._closed else 'not started'}; "
+                                    f"cannot reach {name}")
+            conn = self._out.setdefault(key, _OutConn())
+        with conn.lock:
+            closed_by_peer = self._closed_by_peer(conn.sock) if conn.sock is not None else None
+            if closed_by_peer is not None:
+                conn.sock.close()
+                conn.sock = None
+                if closed_by_peer:
+                    raise TransferError(f"transfer peer {name} rejected an earlier write: {closed_by_peer}")
+            if conn.sock is None:
+                conn.sock = self._connect(peer, name)
+                if self._closed:  # close() ran while we connected: it cannot see this socket
+                    conn.sock.close()
+                    raise TransferError(f"tcp backend is closed; cannot reach {name}")
+            try:
+                return op(conn.sock)
+            except OSError as e:
+                conn.sock.close()
+                conn.sock = None
+                if isinstance(e, (BlockingIOError, TimeoutError)):  # SO_SNDTIMEO expired
+                    e = f"the peer took no bytes for {self.io_timeout}s"
+                raise TransferError(f"lost connection to transfer peer {name}: {e}") from None
+
+    @staticmethod
+    def _closed_by_peer(sock: socket.socket) -> str | None:
+        """None while the connection is open; else the peer's ERROR message, or "" if it just closed.
+        (Receivers only ever send on an inbound connection to report an error.)"""
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        if not poller.poll(0):
+            return None
+        try:
+            kind, _, n = wire.read_frame(sock)
+            return str(wire.read_dict(sock, n).get("message")) if kind == Frame.ERROR else ""
+        except (OSError, ValueError):
+            return ""
+
+    def _connect(self, peer: dict, name: str) -> socket.socket:
+        deadline = time.monotonic() + self.connect_timeout
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self._tune(sock)
+            sock.settimeout(self.connect_timeout)
+            sock.connect((peer["ip"], int(peer["port"])))
+            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+            sock.sendall(wire.hello(self.name, self.protocol_version, self.endpoint, peer.get("instance")))
+            kind, _, n = wire.read_frame(sock)
+            ack = wire.read_dict(sock, n)
+            if kind != Frame.HELLO_ACK or not ack.get("ok"):
+                raise TransferError(f"transfer peer {name} refused the connection: {ack.get('error')}")
+            # Blocking from now on (one send syscall per frame, no poll first); the kernel's
+            # SO_SNDTIMEO/SO_RCVTIMEO bound how long a stalled peer can hold a call.
+            sock.settimeout(None)
+            tv = struct.pack("ll", int(self.io_timeout), int(self.io_timeout % 1 * 1e6))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            return sock
+        except TransferError:
+            sock.close()
+            raise
+        except socket.timeout:
+            sock.close()
+            raise TransferError(f"transfer peer {name} did not complete the handshake within "
+                                f"{self.connect_timeout}s") from None
+        except (OSError, ValueError) as e:
+            sock.close()
+            raise TransferError(f"cannot connect to transfer peer {name}: {e}") from None
+
+    # -- inbound -------------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            t = threading.Thread(target=self._serve, args=(sock,), daemon=True,
+                                 name=f"pdserve-tcp-reader-{self.endpoint['port']}")
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    return
+                self._inbound[sock] = t
+            t.start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        sender = None
+        try:
+            self._tune(sock)
+            sender = self._handshake(sock)
+            if sender is not None:
+                self._read_frames(sock, sender)
+        except (OSError, ValueError) as e:
+            if not self._stop.is_set():
+                log.warning("tcp transfer %s: connection from %s dropped: %s", peer_name(self.endpoint),
+                            peer_name(sender) if sender else "unknown peer", e)
+        finally:
+            with self._lock:
+                self._inbound.pop(sock, None)
+            sock.close()
+
+    def _handshake(self, sock: socket.socket) -> dict | None:
+        """Read the peer's hello and answer it; the sender's descriptor, or None if refused."""
+        sock.settimeout(self.connect_timeout)
+        kind, _, n = wire.read_frame(sock)
+        msg = wire.read_dict(sock, n) if kind == Frame.HELLO else {}
+        error = wire.hello_refusal(msg, self.name, self.protocol_version, self.endpoint)
+        sock.sendall(wire.dict_frame(Frame.HELLO_ACK, {"ok": error is None, "error": error,
+                                                       "instance": self.endpoint["instance"]}))
+        if error is not None:
+            log.warning("tcp transfer: %s", error)
+            return None
+        sock.settimeout(None)
+        return msg["endpoint"]
+
+    def _read_frames(self, sock: socket.socket, sender: dict) -> None:
+        mem, lay = self._mem, self.layout
+        poisoned = False  # after a rejected write: read and drop everything that follows
+        while (frame := wire.read_frame(sock, eof_ok=True)) is not None:
+            kind, count, nbytes = frame
+            if kind == Frame.MSG:
+                msg = wire.read_dict(sock, nbytes)
+                if not poisoned:
+                    self._inbox.put(sender, msg)
+                continue
+            if kind != Frame.WRITE:
+                raise ValueError(f"unexpected frame kind {kind}")
+            runs = wire.read_runs(sock, count, nbytes)
+            bad = None if poisoned else next(filter(None, (out_of_bounds(lay, *r) for r in runs)), None)
+            if bad:
+                reason = f"{peer_name(self.endpoint)} rejected a write from {peer_name(sender)}: {bad}"
+                log.warning("tcp transfer: %s; dropping the connection", reason)
+                sock.sendall(wire.dict_frame(Frame.ERROR, {"message": reason}))
+                poisoned = True
+            if poisoned:
+                wire.discard(sock, nbytes)
+            else:
+                wire.recv_scatter(sock, [mem[off:off + n] for _, off, n in runs])
+
+    def recv(self, timeout: float) -> list[tuple[dict, dict]]:
+        return self._inbox.take(timeout)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _tune(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.sockbuf_bytes > 0:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.sockbuf_bytes)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.sockbuf_bytes)
+
+    @staticmethod
+    def _shutdown(sock: socket.socket | None) -> None:
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass

@@ -1,0 +1,114 @@
+"""The decode role: receive each request's KV from its prefill worker, then decode it.
+
+DecodeReceiver resolves the prefill rank, reserves pages through the engine and waits for the
+KV; on success the request joins the engine's running batch from the prefill's first token.
+"""
+
+from __future__ import annotations
+
+from ..core.errors import PDServeError
+from ..core.messages import GenerateReq, TokenOutput
+from ..disagg.bootstrap_client import BootstrapClient, bootstrap_addr
+from ..disagg.heartbeat import Heartbeat
+from ..disagg.kv_receiver import DecodeReceiver
+from ..disagg.rank_resolver import RankResolver
+from ..engine.sequence import EngineRequest
+from .colocated import ColocatedRole
+from .pd_common import require_pd, start_backend
+from .pump import MessagePump
+from .role import WorkerRole, error_output, to_token_output
+
+
+class DecodeRole(WorkerRole):
+    def start(self) -> dict:
+        envs, cfg = self.ctx.envs, self.ctx.cfg
+        self.backend, self.local = start_backend(self.ctx)
+        self.client = BootstrapClient(timeout=envs.topology_timeout)
+        self.pending: dict[int, GenerateReq] = {}  # room -> request, until its KV arrived
+        self.rooms: dict[str, int] = {}  # rid -> room
+        self.receiver = DecodeReceiver(
+            self.backend, self.dp_rank, self.local, resolve=self._resolve, cancel_resolve=self._cancel,
+            reserve=self.engine.reserve, waiting_timeout=envs.waiting_timeout, wake=self.ctx.wake)
+        self.resolver = RankResolver(
+            self.client, decode_force=cfg.force_query_prefill_dp_rank or envs.force_query_prefill_dp_rank,
+            topology_timeout=envs.topology_timeout, query_timeout=envs.dp_rank_query_timeout,
+            on_result=self.receiver.on_resolved)
+        self.heartbeat = Heartbeat(self.client, interval=envs.heartbeat_interval,
+                                   max_failures=envs.heartbeat_max_failure,
+                                   watched=self.receiver.watched, on_gone=self.receiver.on_gone)
+        self.pump = MessagePump(self.backend, self.ctx.wake)
+        return {"transfer_endpoint": self.local["endpoint"]}
+
+    def _resolve(self, addr: str, room: int, hint: int | None) -> None:
+        self.resolver.resolve(addr, room, hint)
+
+    def _cancel(self, addr: str, room: int) -> None:
+        self.resolver.cancel(addr, room)
+
+    def on_generate(self, req: GenerateReq) -> list[TokenOutput]:
+        if req.pd is None and req.dispatch_reason == "health_generate":
+            return ColocatedRole(self.ctx).on_generate(req)
+        try:
+            require_pd(req, "decode")
+            self.engine.validate(EngineRequest(req.rid, req.input_ids, req.sampling))
+            room = req.pd.bootstrap_room
+            if room in self.pending:
+                raise PDServeError(f"bootstrap_room {room} is already in flight on decode dp_rank "
+                                   f"{self.dp_rank}")
+        except PDServeError as e:
+            status = 400 if e.status == 500 else e.status
+            return [error_output(req.rid, status, e.message, e.type)]
+        self.pending[room] = req
+        self.rooms[req.rid] = room
+        self.receiver.accept(room, req.rid, bootstrap_addr(req.pd.bootstrap_host, req.pd.bootstrap_port),
+                             len(req.input_ids), req.pd.prefill_dp_rank)
+        return []
+
+    def on_abort(self, rid: str, reason: str) -> list[TokenOutput]:
+        room = self.rooms.get(rid)
+        if room is not None and room in self.pending:
+            self.receiver.abort(room, f"room {room}: decode request aborted ({reason})")
+            return self.poll()
+        self.rooms.pop(rid, None)
+        if self.engine.abort(rid):
+            return [error_output(rid, 499, reason, "aborted")]
+        return []
+
+    def on_step(self, outs):
+        for o in outs:
+            if o.finished:
+                self.rooms.pop(o.rid, None)
+        return super().on_step(outs)
+
+    def poll(self) -> list[TokenOutput]:
+        for sender, msg in self.pump.drain():
+            self.receiver.on_message(sender, msg)
+        outs = []
+        for done in self.receiver.poll():
+            req = self.pending.pop(done.room, None)
+            if req is None:
+                continue
+            if not done.ok:
+                self.rooms.pop(req.rid, None)
+                self.engine.release(req.rid)
+                outs.append(error_output(req.rid, 500, done.reason, "handoff_error", done.meta))
+                continue
+            aux = done.aux or {}
+            step = self.engine.add_prefilled(
+                EngineRequest(req.rid, req.input_ids, req.sampling, req.return_logprob),
+                aux["first_token"], aux.get("first_logprob"))
+            if step.finished:
+                self.rooms.pop(req.rid, None)
+            outs.append(to_token_output(step, done.meta))
+        return outs
+
+    def inflight_transfers(self) -> int:
+        return self.receiver.inflight()
+
+    def close(self) -> None:
+        self.heartbeat.close()
+        self.resolver.close()
+        self.pump.close()
+        self.receiver.close()
+        self.backend.close()
+        self.client.close()

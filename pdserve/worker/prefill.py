@@ -1,0 +1,104 @@
+"""The prefill role: prefill each request, hold its KV pages, push them to the decode worker.
+
+The engine runs the prompt with max_new_tokens=1 and holds the pages; PrefillSender pairs
+them with the decode's kv_req and writes them; the pages are released when the sender
+reports the room finished, and the front gets the first token (or the failure) then.
+"""
+
+from __future__ import annotations
+
+from ..core.errors import PDServeError
+from ..core.messages import GenerateReq, TokenOutput
+from ..disagg.bootstrap_client import BootstrapClient, bootstrap_addr
+from ..disagg.bootstrap_table import RankInfo
+from ..disagg.kv_sender import PrefillSender
+from ..engine.sequence import EngineRequest, StepOutput
+from .colocated import ColocatedRole
+from .pd_common import require_pd, start_backend
+from .pump import MessagePump
+from .role import WorkerRole, error_output, to_token_output
+
+REGISTER_DEADLINE_S = 120.0
+
+
+class PrefillRole(WorkerRole):
+    def start(self) -> dict:
+        cfg = self.ctx.cfg
+        self.backend, self.local = start_backend(self.ctx)
+        self.sender = PrefillSender(self.backend, self.dp_rank, self.local,
+                                    bootstrap_timeout=self.ctx.envs.bootstrap_timeout,
+                                    failed_ttl=self.ctx.envs.room_ttl, wake=self.ctx.wake)
+        self.pump = MessagePump(self.backend, self.ctx.wake)
+        self.local_role = ColocatedRole(self.ctx)  # requests without PD fields (health checks)
+        self.rooms: dict[str, int] = {}  # rid -> room
+        self.first: dict[str, StepOutput] = {}
+        ep = self.local["endpoint"]
+        info = RankInfo(dp_rank=self.dp_rank, dp_size=cfg.dp_size, rank_ip=ep["ip"], rank_port=ep["port"],
+                        page_size=self.local["page_size"], kv_cache_dtype=self.local["kv_dtype"],
+                        load_balance_method=cfg.load_balance_method,
+                        fingerprint=self.local["fingerprint"], endpoint=ep,
+                        transfer_backend=cfg.transfer_backend)
+        with BootstrapClient(timeout=5.0) as client:
+            client.register_rank(bootstrap_addr("127.0.0.1", cfg.bootstrap_port), info,
+                                 deadline_s=REGISTER_DEADLINE_S)
+        return {"transfer_endpoint": ep}
+
+    def on_generate(self, req: GenerateReq) -> list[TokenOutput]:
+        if req.pd is None and req.dispatch_reason == "health_generate":
+            return self.local_role.on_generate(req)
+        try:
+            require_pd(req, "prefill")
+            self.engine.add(EngineRequest(req.rid, req.input_ids, req.sampling.replace(max_new_tokens=1),
+                                          req.return_logprob, hold_kv=True))
+        except PDServeError as e:
+            return [error_output(req.rid, e.status, e.message, e.type)]
+        self.rooms[req.rid] = req.pd.bootstrap_room
+        self.sender.accept(req.pd.bootstrap_room, req.rid, len(req.input_ids))
+        return []
+
+    def on_step(self, outs: list[StepOutput]) -> list[TokenOutput]:
+        local = []
+        for o in outs:
+            room = self.rooms.get(o.rid)
+            if room is None:
+                local.append(to_token_output(o))  # a health check run here
+                continue
+            if not o.finished:
+                continue
+            self.first[o.rid] = o
+            self.sender.prefill_done(room, o.held_pages or [], {
+                "first_token": o.token_id, "first_logprob": o.logprob,
+                "input_logprobs": o.input_logprobs, "prompt_len": o.prompt_tokens})
+        return local + self.poll()
+
+    def on_abort(self, rid: str, reason: str) -> list[TokenOutput]:
+        room = self.rooms.get(rid)
+        if room is None:
+            return self.local_role.on_abort(rid, reason)
+        self.sender.fail(room, f"room {room}: prefill request aborted ({reason})")
+        return self.poll()
+
+    def on_room_failed(self, room: int, reason: str) -> None:
+        self.sender.mark_failed(room, reason)
+
+    def poll(self) -> list[TokenOutput]:
+        for sender, msg in self.pump.drain():
+            self.sender.on_message(sender, msg)
+        outs = []
+        for done in self.sender.poll():
+            self.rooms.pop(done.rid, None)
+            first = self.first.pop(done.rid, None)
+            self.engine.abort(done.rid)  # frees held pages, or stops a prefill still running
+            if done.ok and first is not None:
+                outs.append(to_token_output(first, done.meta))
+            else:
+                outs.append(error_output(done.rid, 500, done.reason, "handoff_error", done.meta))
+        return outs
+
+    def inflight_transfers(self) -> int:
+        return self.sender.inflight()
+
+    def close(self) -> None:
+        self.pump.close()
+        self.sender.close()
+        self.backend.close()
