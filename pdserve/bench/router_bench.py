@@ -1,0 +1,227 @@
+"""Router overhead benchmark: latency and req/s at a fixed concurrency, direct vs pdserve vs sglang-router.
+
+`python -m pdserve.bench.router_bench` starts one fast prefill stub and one fast decode stub
+(tests/stub_pd_server.py), our router, and sglang-router 0.3.2 when it is installed, all on
+127.0.0.1. Each round sends the same requests to every target in a rotating order: "direct"
+posts straight to the decode stub (a router that costs nothing), the routers post to both legs.
+It prints per-target medians over rounds of p50/p99/req/s, the added latency over direct, and
+pdserve/sglang ratios measured in this one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parents[2]
+STUB = REPO / "tests" / "stub_pd_server.py"
+BOOTSTRAP_PORT = 18998
+
+
+@dataclass
+class RoundResult:
+    p50_ms: float
+    p99_ms: float
+    req_per_s: float
+    errors: int
+
+
+class Process:
+    """A child process whose output goes to a temp file; `wait_line` finds a regex in it."""
+
+    def __init__(self, cmd: list[str]):
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="router-bench-", suffix=".log", delete=False)
+        env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.popen = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+
+    def wait_line(self, pattern: str, timeout: float = 60.0) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if m := re.search(pattern, Path(self.log.name).read_text(errors="replace")):
+                return m
+            if self.popen.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.popen.args} did not print {pattern!r}:\n{Path(self.log.name).read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        if not self.log.closed:
+            self.log.close()
+            os.unlink(self.log.name)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_stub(procs: list[Process], role: str) -> str:
+    proc = Process([sys.executable, str(STUB), "--role", role, "--port", "0", "--no-record", "--max-lifetime", "3600"])
+    procs.append(proc)
+    port = proc.wait_line(r"STUB READY port=(\d+)").group(1)
+    return f"http://127.0.0.1:{port}"
+
+
+def start_pdserve_router(procs: list[Process], prefill: str, decode: str) -> str:
+    proc = Process([sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", "0", "--prefill",
+                    prefill, str(BOOTSTRAP_PORT), "--decode", decode, "--log-level", "warning"])
+    procs.append(proc)
+    port = proc.wait_line(r"listening on http://127\.0\.0\.1:(\d+)").group(1)
+    return f"http://127.0.0.1:{port}"
+
+
+def start_sglang_router(procs: list[Process], prefill: str, decode: str) -> str:
+    port = free_port()
+    proc = Process([sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill,
+                    str(BOOTSTRAP_PORT), "--decode", decode, "--host", "127.0.0.1", "--port", str(port),
+                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                    "--policy", "round_robin", "--log-level", "warn"])
+    procs.append(proc)
+    return f"http://127.0.0.1:{port}"
+
+
+async def wait_ready(url: str, body: bytes, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            try:
+                async with session.post(url + "/generate", data=body,
+                                        headers={"Content-Type": "application/json"}) as resp:
+                    if resp.status == 200:
+                        await resp.read()
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url} never answered /generate")
+
+
+async def run_round(url: str, body: bytes, requests: int, concurrency: int) -> RoundResult:
+    latencies: list[float] = []
+    errors = 0
+    todo = iter(range(requests))
+    headers = {"Content-Type": "application/json"}
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        async def worker() -> None:
+            nonlocal errors
+            for _ in todo:
+                t0 = time.perf_counter()
+                try:
+                    async with session.post(url + "/generate", data=body, headers=headers) as resp:
+                        await resp.read()
+                        ok = resp.status == 200
+                except aiohttp.ClientError:
+                    ok = False
+                latencies.append(time.perf_counter() - t0)
+                errors += not ok
+
+        t_start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - t_start
+    latencies.sort()
+    return RoundResult(p50_ms=1000 * latencies[len(latencies) // 2],
+                       p99_ms=1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
+                       req_per_s=requests / elapsed, errors=errors)
+
+
+async def bench(targets: dict[str, str], body: bytes, args: argparse.Namespace) -> dict[str, list[RoundResult]]:
+    for url in targets.values():
+        await wait_ready(url, body)
+        await run_round(url, body, args.warmup, args.concurrency)
+    results: dict[str, list[RoundResult]] = {name: [] for name in targets}
+    names = list(targets)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            results[name].append(await run_round(targets[name], body, args.requests, args.concurrency))
+    return results
+
+
+def summarize(results: dict[str, list[RoundResult]]) -> dict:
+    med = {name: {k: statistics.median(getattr(x, k) for x in rounds) for k in ("p50_ms", "p99_ms", "req_per_s")}
+           for name, rounds in results.items()}
+    for name, rounds in results.items():
+        med[name]["errors"] = sum(x.errors for x in rounds)
+        if name != "direct":
+            med[name]["added_p50_ms"] = statistics.median(
+                x.p50_ms - d.p50_ms for x, d in zip(rounds, results["direct"]))
+            med[name]["added_p99_ms"] = statistics.median(
+                x.p99_ms - d.p99_ms for x, d in zip(rounds, results["direct"]))
+    if "sglang-router" in med:
+        ours, theirs = med["pdserve-router"], med["sglang-router"]
+        med["ratios_pdserve_over_sglang"] = {
+            "p50": ours["p50_ms"] / theirs["p50_ms"], "p99": ours["p99_ms"] / theirs["p99_ms"],
+            "req_per_s": ours["req_per_s"] / theirs["req_per_s"],
+            "added_p50": ours["added_p50_ms"] / theirs["added_p50_ms"] if theirs["added_p50_ms"] > 0 else None}
+    return med
+
+
+def print_table(summary: dict, args: argparse.Namespace) -> None:
+    print(f"\nrouter bench: {args.rounds} rounds x {args.requests} requests, concurrency {args.concurrency}, "
+          f"stream={args.stream} (medians over rounds)")
+    print(f"{'target':<16}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}{'+p50 ms':>9}{'+p99 ms':>9}{'errors':>8}")
+    for name, m in summary.items():
+        if name.startswith("ratios"):
+            continue
+        print(f"{name:<16}{m['p50_ms']:>9.2f}{m['p99_ms']:>9.2f}{m['req_per_s']:>9.0f}"
+              f"{m.get('added_p50_ms', 0):>9.2f}{m.get('added_p99_ms', 0):>9.2f}{m['errors']:>8}")
+    if "ratios_pdserve_over_sglang" in summary:
+        r = summary["ratios_pdserve_over_sglang"]
+        added = f"{r['added_p50']:.2f}" if r["added_p50"] is not None else "n/a"
+        print(f"pdserve/sglang: p50 x{r['p50']:.2f}  p99 x{r['p99']:.2f}  req/s x{r['req_per_s']:.2f}  "
+              f"added p50 x{added}")
+    print("JSON " + json.dumps(summary))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=2000, help="requests per target per round")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--stream", action="store_true", help="stream the replies (SSE)")
+    p.add_argument("--no-sglang", action="store_true", help="skip sglang-router even if installed")
+    args = p.parse_args(argv)
+    if not STUB.exists():
+        sys.exit(f"router_bench needs the stub server at {STUB} (run from a source checkout)")
+    body = json.dumps({"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8,
+                       "temperature": 0}, "stream": args.stream}).encode()
+    procs: list[Process] = []
+    try:
+        prefill, decode = start_stub(procs, "prefill"), start_stub(procs, "decode")
+        targets = {"direct": decode, "pdserve-router": start_pdserve_router(procs, prefill, decode)}
+        if not args.no_sglang and importlib.util.find_spec("sglang_router") is not None:
+            targets["sglang-router"] = start_sglang_router(procs, prefill, decode)
+        else:
+            print("sglang-router not installed (pip install sglang-router==0.3.2): comparing with direct only")
+        results = asyncio.run(bench(targets, body, args))
+        print_table(summarize(results), args)
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""The router process: aiohttp app (routes, auth, JSON errors, metrics), its lifecycle, and `run_router`.
+
+RouterApp owns one client session (pooled keep-alive connections to every upstream), the
+upstream pool, the health loop and the PD proxy; `serve()` runs it until SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import random
+import signal
+import sys
+import time
+
+import aiohttp
+from aiohttp import web
+
+from pdserve.core.errors import PDServeError, Unauthorized
+
+from .cli_args import config_from_args
+from .config import RouterConfig
+from .health import HealthLoop, HealthState
+from .info_routes import InfoRoutes
+from .legs import LegClient
+from .metrics import RouterMetrics
+from .pd_body import Route, inspect_request, parse_client_body
+from .pd_proxy import PDProxy, error_response
+from .policies import make_policy
+from .upstream import Upstream, UpstreamPool
+
+log = logging.getLogger("pdserve.router")
+# Below uvicorn's 5 s keep-alive, so we never reuse a connection the server is about to close.
+UPSTREAM_KEEPALIVE_S = 4.0
+UPSTREAM_CONNECT_TIMEOUT_S = 10.0
+OPEN_PATHS = frozenset({"/health"})
+
+
+class RouterApp:
+    def __init__(self, cfg: RouterConfig, rng: random.Random | None = None):
+        self.cfg = cfg
+        self.metrics = RouterMetrics()
+        rng = rng or random.Random()
+        self.pool = UpstreamPool.from_config(cfg, make_policy(cfg.prefill_policy, rng),
+                                             make_policy(cfg.decode_policy, rng),
+                                             assume_healthy=not cfg.health_check_enabled)
+        self.health = HealthLoop(self.pool.all(), self._probe, cfg.health_check_interval_secs, self._health_changed)
+        headers = {"Content-Type": "application/json"}
+        if cfg.api_key:
+            headers["Authorization"] = f"Bearer {cfg.api_key}"
+        self.legs = LegClient(self.metrics, headers)
+        self.proxy = PDProxy(cfg, self.pool, self.legs, self.metrics, self._leg_connection_failed)
+        self.session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task | None = None
+        self._request_children: dict[tuple[str, int], tuple] = {}
+
+    def build(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors_and_metrics, self._auth],
+                              client_max_size=self.cfg.max_payload_size)
+        for route in Route:
+            app.router.add_post(route.value, self._pd_handler(route))
+        InfoRoutes(self.cfg, self.pool, self.legs, self.metrics).add_to(app)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _startup(self, app: web.Application) -> None:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
+        self.session = aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=UPSTREAM_CONNECT_TIMEOUT_S))
+        self.legs.use_session(self.session)
+        for up in self.pool.all():
+            self.metrics.upstream_healthy.labels(up.role.value, up.url).set(int(up.health.selectable))
+        if self.cfg.health_check_enabled:
+            await self.health.check_all()  # route at once if the servers are already up
+            self._health_task = asyncio.create_task(self.health.run())
+        else:  # still learn DP sizes once
+            await asyncio.gather(*(self._refresh_info(up) for up in self.pool.all()))
+
+    async def _cleanup(self, app: web.Application) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.wait([self._health_task])
+        await self.proxy.close()
+        if self.session is not None:
+            await self.session.close()
+
+    async def _probe(self, up: Upstream) -> None:
+        timeout = self.cfg.health_check_timeout_secs
+        status, _ = await self.legs.get_status(up.url + self.cfg.health_check_endpoint, timeout)
+        if not 200 <= status < 300:
+            raise RuntimeError(f"{self.cfg.health_check_endpoint} answered {status}")
+        await self._refresh_info(up)
+
+    async def _refresh_info(self, up: Upstream) -> None:
+        """DP size and load from /server_info; a server without it still counts as healthy."""
+        try:
+            up.update_from_server_info(
+                await self.legs.get_json(up.url + "/server_info", self.cfg.health_check_timeout_secs))
+        except Exception as exc:
+            log.debug("server_info of %s failed: %s", up.url, exc)
+
+    def _health_changed(self, up: Upstream, old: HealthState, new: HealthState) -> None:
+        self.metrics.upstream_healthy.labels(up.role.value, up.url).set(int(up.health.selectable))
+
+    def _leg_connection_failed(self, up: Upstream, message: str) -> None:
+        if self.cfg.health_check_enabled:
+            self.health.record(up, False, message)
+
+    def _pd_handler(self, route: Route):
+        async def handler(request: web.Request) -> web.StreamResponse:
+            body = parse_client_body(await request.read())
+            shape = inspect_request(route, body)
+            return await self.proxy.handle(request, body, shape)
+
+        return handler
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if self.cfg.api_key and request.path not in OPEN_PATHS:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.cfg.api_key}".encode()):
+                raise Unauthorized("missing or wrong API key (send 'Authorization: Bearer <key>')")
+        return await handler(request)
+
+    @web.middleware
+    async def _errors_and_metrics(self, request: web.Request, handler):
+        t0 = time.perf_counter()
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        try:
+            resp = await handler(request)
+        except PDServeError as exc:
+            resp = error_response(exc.status, exc.message, exc.type)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            etype = "not_found_error" if exc.status == 404 else "invalid_request_error"
+            resp = error_response(exc.status, f"{request.method} {request.path}: {exc.reason}", etype)
+        except asyncio.CancelledError:
+            self.metrics.requests.labels(route, "499").inc()  # client went away
+            raise
+        except Exception as exc:
+            log.exception("router error on %s", request.path)
+            resp = error_response(500, f"router internal error: {type(exc).__name__}: {exc}", "internal_error")
+        self._count(route, resp.status, time.perf_counter() - t0)
+        return resp
+
+    def _count(self, route: str, status: int, seconds: float) -> None:
+        key = (route, status)
+        children = self._request_children.get(key)
+        if children is None:  # labels() costs microseconds; resolve once per (route, status)
+            children = (self.metrics.requests.labels(route, str(status)), self.metrics.request_latency.labels(route))
+            self._request_children[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
+
+
+def _metrics_only_app(metrics: RouterMetrics) -> web.Application:
+    app = web.Application()
+
+    async def handle(request: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), headers={"Content-Type": metrics.content_type})
+
+    app.router.add_get("/metrics", handle)
+    return app
+
+
+async def serve(cfg: RouterConfig, stop: asyncio.Event | None = None) -> None:
+    """Run the router until `stop` is set (or SIGINT/SIGTERM). Prints the bound address once up."""
+    router = RouterApp(cfg)
+    runner = web.AppRunner(router.build(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    runners = [runner]
+    try:
+        await web.TCPSite(runner, cfg.host, cfg.port, backlog=4096).start()
+        if cfg.prometheus_port:
+            m_runner = web.AppRunner(_metrics_only_app(router.metrics), access_log=None)
+            await m_runner.setup()
+            runners.append(m_runner)
+            await web.TCPSite(m_runner, cfg.prometheus_host or cfg.host, cfg.prometheus_port).start()
+        host, port = runner.addresses[0][:2]
+        print(f"pdserve router listening on http://{host}:{port}", flush=True)
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):
+                pass
+        await stop.wait()
+    finally:
+        for r in reversed(runners):
+            await r.cleanup()
+
+
+def run_router(args: argparse.Namespace) -> None:
+    """Entry point for `pdserve router`: flags from build_router_parser(), runs until stopped."""
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        sys.exit(f"pdserve router: {exc}")
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop  # lower per-request overhead when present (it ships with uvicorn[standard])
+    except ImportError:
+        asyncio.run(serve(cfg))
+    else:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(serve(cfg))

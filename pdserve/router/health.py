@@ -1,0 +1,122 @@
+"""Upstream health: a per-server state machine fed by probe results, and the loop that probes.
+
+A server starts UNKNOWN (not selectable) and becomes HEALTHY on its first passed probe. After
+`failure_threshold` consecutive failures it is UNHEALTHY (removed from selection) until
+`success_threshold` consecutive passes bring it back. Failed legs (connection errors) count as
+failed probes too, so a dead server leaves selection without waiting for the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+if TYPE_CHECKING:
+    from .upstream import Upstream
+
+log = logging.getLogger("pdserve.router.health")
+
+
+class HealthState(str, enum.Enum):
+    UNKNOWN = "unknown"
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+
+
+class ProbeEvent(enum.Enum):
+    PASSED = "passed"  # a pass, not yet `success_threshold` in a row
+    RECOVERED = "recovered"  # `success_threshold` passes in a row
+    FAILED = "failed"  # a failure, not yet `failure_threshold` in a row
+    DOWN = "down"  # `failure_threshold` failures in a row
+
+
+_S, _E = HealthState, ProbeEvent
+TRANSITIONS: dict[tuple[HealthState, ProbeEvent], HealthState] = {
+    (_S.UNKNOWN, _E.PASSED): _S.HEALTHY,
+    (_S.UNKNOWN, _E.RECOVERED): _S.HEALTHY,
+    (_S.UNKNOWN, _E.FAILED): _S.UNKNOWN,
+    (_S.UNKNOWN, _E.DOWN): _S.UNHEALTHY,
+    (_S.HEALTHY, _E.PASSED): _S.HEALTHY,
+    (_S.HEALTHY, _E.RECOVERED): _S.HEALTHY,
+    (_S.HEALTHY, _E.FAILED): _S.HEALTHY,
+    (_S.HEALTHY, _E.DOWN): _S.UNHEALTHY,
+    (_S.UNHEALTHY, _E.PASSED): _S.UNHEALTHY,
+    (_S.UNHEALTHY, _E.RECOVERED): _S.HEALTHY,
+    (_S.UNHEALTHY, _E.FAILED): _S.UNHEALTHY,
+    (_S.UNHEALTHY, _E.DOWN): _S.UNHEALTHY,
+}
+
+
+@dataclass
+class HealthTracker:
+    """Consecutive pass/fail counts of one server and its HealthState."""
+
+    failure_threshold: int = 3
+    success_threshold: int = 1
+    state: HealthState = HealthState.UNKNOWN
+    passes: int = 0
+    failures: int = 0
+    last_error: str = ""
+
+    @property
+    def selectable(self) -> bool:
+        return self.state is HealthState.HEALTHY
+
+    def record(self, ok: bool, error: str = "") -> tuple[HealthState, HealthState]:
+        """Apply one probe result; returns (old state, new state)."""
+        if ok:
+            self.passes, self.failures = self.passes + 1, 0
+            event = _E.RECOVERED if self.passes >= self.success_threshold else _E.PASSED
+        else:
+            self.passes, self.failures, self.last_error = 0, self.failures + 1, error
+            event = _E.DOWN if self.failures >= self.failure_threshold else _E.FAILED
+        old, self.state = self.state, TRANSITIONS[(self.state, event)]
+        return old, self.state
+
+
+Probe = Callable[["Upstream"], Awaitable[None]]
+
+
+class HealthLoop:
+    """Probes every server each interval (faster while some server was never seen healthy).
+
+    `probe(upstream)` must raise on failure; its result is recorded on `upstream.health`.
+    `on_change(upstream, old, new)` is called on every state change.
+    """
+
+    STARTUP_INTERVAL = 0.5
+
+    def __init__(self, upstreams: list["Upstream"], probe: Probe, interval: float,
+                 on_change: Callable[["Upstream", HealthState, HealthState], None]):
+        self._upstreams = upstreams
+        self._probe = probe
+        self._interval = interval
+        self._on_change = on_change
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(up) for up in self._upstreams))
+
+    async def _check(self, up: "Upstream") -> None:
+        try:
+            await self._probe(up)
+        except Exception as exc:  # any failure to probe is a failed probe
+            self.record(up, False, f"{type(exc).__name__}: {exc}")
+        else:
+            self.record(up, True)
+
+    def record(self, up: "Upstream", ok: bool, error: str = "") -> None:
+        old, new = up.health.record(ok, error)
+        if old is not new:
+            level = logging.INFO if new is HealthState.HEALTHY else logging.WARNING
+            log.log(level, "%s server %s: %s -> %s %s", up.role.value, up.url, old.value, new.value,
+                    up.health.last_error if not ok else "")
+            self._on_change(up, old, new)
+
+    async def run(self) -> None:
+        while True:
+            starting = any(up.health.state is HealthState.UNKNOWN for up in self._upstreams)
+            await asyncio.sleep(min(self._interval, self.STARTUP_INTERVAL) if starting else self._interval)
+            await self.check_all()

@@ -1,0 +1,217 @@
+"""One leg of a PD request: POST a body to one upstream and get its reply, or a LegError.
+
+A leg counts itself in its upstream's `inflight` and in the latency metric. Cancelling a leg
+(or closing an open stream) closes its connection, which makes a pdserve server abort it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from .metrics import RouterMetrics
+from .pd_body import decode
+from .upstream import Upstream
+
+
+class LegErrorKind(str, enum.Enum):
+    CONNECTION = "connection"  # never connected, or the connection broke: retryable before streaming
+    STATUS = "status"  # the server answered with status >= 400
+
+
+class LegError(Exception):
+    """A failed leg. `status` is what the client gets; `message` names the role and server."""
+
+    def __init__(self, upstream: Upstream, kind: LegErrorKind, status: int, message: str,
+                 type: str = "upstream_error"):
+        super().__init__(message)
+        self.upstream, self.kind, self.status, self.message, self.type = upstream, kind, status, message, type
+
+    @property
+    def retryable(self) -> bool:
+        return self.kind is LegErrorKind.CONNECTION
+
+
+def upstream_error_text(raw: bytes) -> tuple[str, str | None]:
+    """(message, type) out of an upstream error body: pdserve/OpenAI JSON, FastAPI detail, or text."""
+    try:
+        data = decode(raw)
+    except Exception:
+        data = None
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict):
+            return str(err.get("message", err)), err.get("type")
+        for key in ("error", "detail", "message"):
+            if data.get(key) is not None:
+                return str(data[key]), None
+    text = raw.decode("utf-8", errors="replace").strip()
+    return (text[:1000] or "(empty body)"), None
+
+
+def _connection_error(up: Upstream, exc: BaseException) -> LegError:
+    return LegError(up, LegErrorKind.CONNECTION, 502,
+                    f"{up.role.value} server {up.url} connection failed: {type(exc).__name__}: {exc}",
+                    "upstream_connection_error")
+
+
+_CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
+
+
+@dataclass
+class LegReply:
+    status: int
+    content_type: str
+    body: bytes
+
+
+class OpenStream:
+    """A leg whose response headers (status < 400) and first body chunk have arrived."""
+
+    def __init__(self, client: "LegClient", up: Upstream, resp: aiohttp.ClientResponse, first: bytes, t0: float):
+        self.client, self.upstream, self.resp, self.first_chunk, self._t0 = client, up, resp, first, t0
+        self._done = False
+
+    async def next_chunk(self) -> bytes:
+        """The next piece of body as it arrives; b"" at the end. Raises LegError if it breaks."""
+        try:
+            return await self.resp.content.readany()
+        except _CONNECTION_ERRORS as exc:
+            raise _connection_error(self.upstream, exc) from None
+
+    def close(self) -> None:
+        """Release the leg; closes the connection unless the body was read to its end."""
+        if not self._done:
+            self._done = True
+            if not self.resp.content.at_eof():
+                self.resp.close()
+            else:
+                self.resp.release()
+            self.client._finished(self.upstream, self._t0)
+
+
+class LegClient:
+    """HTTP to upstreams over one pooled session, which `use_session` hands in once the loop runs."""
+
+    def __init__(self, metrics: RouterMetrics, headers: dict[str, str]):
+        self._session: aiohttp.ClientSession | None = None
+        self._metrics, self._headers = metrics, headers
+        self._per_upstream: dict[str, tuple] = {}  # url -> (inflight gauge, latency histogram) children
+
+    def use_session(self, session: aiohttp.ClientSession) -> None:
+        self._session = session
+
+    def _children(self, up: Upstream) -> tuple:
+        children = self._per_upstream.get(up.url)
+        if children is None:  # labels() costs microseconds; resolve once per upstream
+            labels = (up.role.value, up.url)
+            children = (self._metrics.upstream_inflight.labels(*labels),
+                        self._metrics.upstream_latency.labels(*labels))
+            self._per_upstream[up.url] = children
+        return children
+
+    def _started(self, up: Upstream) -> float:
+        up.inflight += 1
+        self._children(up)[0].inc()
+        return time.perf_counter()
+
+    def _finished(self, up: Upstream, t0: float) -> None:
+        up.inflight -= 1
+        inflight, latency = self._children(up)
+        inflight.dec()
+        latency.observe(time.perf_counter() - t0)
+
+    async def _post(self, up: Upstream, path: str, data: bytes, auth: str | None) -> aiohttp.ClientResponse:
+        headers = self._headers if auth is None else {**self._headers, "Authorization": auth}
+        try:
+            return await self._session.post(up.url + path, data=data, headers=headers)
+        except _CONNECTION_ERRORS as exc:
+            self._metrics.upstream_errors.labels(up.role.value, up.url, "connection").inc()
+            raise _connection_error(up, exc) from None
+
+    async def _status_error(self, up: Upstream, resp: aiohttp.ClientResponse) -> LegError:
+        try:
+            raw = await resp.read()
+        except _CONNECTION_ERRORS:
+            raw = b""
+        message, etype = upstream_error_text(raw)
+        self._metrics.upstream_errors.labels(up.role.value, up.url, "status").inc()
+        return LegError(up, LegErrorKind.STATUS, resp.status,
+                        f"{up.role.value} server {up.url} failed with status {resp.status}: {message}",
+                        etype or "upstream_error")
+
+    async def fetch(self, up: Upstream, path: str, data: bytes, auth: str | None = None) -> LegReply:
+        """POST and read the whole reply. `auth` overrides the Authorization header."""
+        t0 = self._started(up)
+        try:
+            resp = await self._post(up, path, data, auth)
+            try:
+                if resp.status >= 400:
+                    raise await self._status_error(up, resp)
+                body = await resp.read()
+            except _CONNECTION_ERRORS as exc:
+                raise _connection_error(up, exc) from None
+            finally:
+                if not resp.content.at_eof():
+                    resp.close()
+            return LegReply(resp.status, resp.headers.get("Content-Type", "application/json"), body)
+        finally:
+            self._finished(up, t0)
+
+    async def open_stream(self, up: Upstream, path: str, data: bytes, auth: str | None = None) -> OpenStream:
+        """POST and wait for the headers and the first body chunk; the caller must close() it."""
+        t0 = self._started(up)
+        try:
+            resp = await self._post(up, path, data, auth)
+        except BaseException:
+            self._finished(up, t0)
+            raise
+        stream = OpenStream(self, up, resp, b"", t0)
+        try:
+            if resp.status >= 400:
+                raise await self._status_error(up, resp)
+            stream.first_chunk = await stream.next_chunk()
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    async def get_json(self, url: str, timeout: float) -> dict:
+        """GET a small JSON document (server_info, models); raises on any failure."""
+        async with self._session.get(url, headers=self._headers,
+                                     timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            raw = await resp.read()
+            if resp.status >= 400:
+                raise RuntimeError(f"GET {url} -> {resp.status}: {upstream_error_text(raw)[0]}")
+            data = decode(raw)
+        if not isinstance(data, dict):
+            raise RuntimeError(f"GET {url} did not return a JSON object")
+        return data
+
+    async def get_status(self, url: str, timeout: float) -> tuple[int, bytes]:
+        async with self._session.get(url, headers=self._headers,
+                                     timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            return resp.status, await resp.read()
+
+
+async def cancel_task(task: asyncio.Task) -> bool:
+    """Cancel a leg task and wait for it to unwind (it closes its connection).
+
+    Returns True when the task was still running. The task's own error, if any, is consumed.
+    """
+    running = not task.done()
+    if running:
+        task.cancel()
+        await asyncio.wait([task])
+    consume(task)
+    return running
+
+
+def consume(task: asyncio.Task) -> None:
+    """Mark a finished task's exception as retrieved (we report errors ourselves)."""
+    if task.done() and not task.cancelled():
+        task.exception()

@@ -1,0 +1,35 @@
+"""Prometheus metrics of one router instance (its own registry; labels never hold room ids)."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300,
+                    600, 1800)
+
+
+class RouterMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("pdserve_router_requests", "client requests by route and HTTP status",
+                                ["route", "status"], registry=r)
+        self.request_latency = Histogram("pdserve_router_request_duration_seconds",
+                                         "client request duration, to the last byte", ["route"],
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.upstream_latency = Histogram("pdserve_router_upstream_latency_seconds",
+                                          "duration of one leg to its last byte", ["role", "server"],
+                                          buckets=_LATENCY_BUCKETS, registry=r)
+        self.upstream_errors = Counter("pdserve_router_upstream_errors", "failed legs by role and kind",
+                                       ["role", "server", "kind"], registry=r)
+        self.retries = Counter("pdserve_router_retries", "tries repeated on another pair", ["reason"], registry=r)
+        self.cancelled_legs = Counter("pdserve_router_cancelled_legs", "legs cancelled by the router",
+                                      ["role", "reason"], registry=r)
+        self.upstream_healthy = Gauge("pdserve_router_upstream_healthy", "1 while a server is selectable",
+                                      ["role", "server"], registry=r)
+        self.upstream_inflight = Gauge("pdserve_router_upstream_inflight", "legs open to a server",
+                                       ["role", "server"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

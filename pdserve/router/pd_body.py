@@ -1,0 +1,156 @@
+"""Body transforms of a PD request: client body checks, rooms and PD fields per leg, logprob merge.
+
+Rooms: one scalar room for a single request; a list for batched input (`text`/`input_ids`/
+`prompt` lists) or `n > 1`, item-major: index i * n + j is item i, sample j. Every try of a
+request mints fresh rooms.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from pdserve.core.errors import BadRequest
+
+ROOM_BITS = 63
+_decoder = msgspec.json.Decoder()
+_encoder = msgspec.json.Encoder()
+
+
+class Route(str, enum.Enum):
+    GENERATE = "/generate"
+    COMPLETIONS = "/v1/completions"
+    CHAT = "/v1/chat/completions"
+
+
+def parse_client_body(raw: bytes) -> dict:
+    try:
+        body = _decoder.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def encode(obj: Any) -> bytes:
+    return _encoder.encode(obj)
+
+
+def decode(raw: bytes) -> Any:
+    return _decoder.decode(raw)
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise BadRequest(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _sample_count(route: Route, body: dict) -> int:
+    if route is not Route.GENERATE:
+        return _positive_int(body.get("n"), "n")
+    sp = body.get("sampling_params")
+    if isinstance(sp, list):  # per-item sampling params of a batch; they share n
+        sp = sp[0] if sp else None
+    if sp is None:
+        return 1
+    if not isinstance(sp, dict):
+        raise BadRequest(f"sampling_params must be an object, got {type(sp).__name__}")
+    return _positive_int(sp.get("n"), "sampling_params.n")
+
+
+def _batch_size(route: Route, body: dict) -> int | None:
+    """Number of items of a batched request, None for a single one."""
+    if route is Route.CHAT:
+        return None
+    fields = ("text", "input_ids") if route is Route.GENERATE else ("prompt",)
+    for name in fields:
+        value = body.get(name)
+        if not isinstance(value, list):
+            continue
+        if not value:
+            raise BadRequest(f"{name} is an empty list")
+        if isinstance(value[0], int) and not isinstance(value[0], bool) and name != "text":
+            return None  # one prompt given as token ids
+        return len(value)
+    return None
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    """What the router needs to know about a client request before routing it."""
+
+    route: Route
+    room_count: int | None  # None: one scalar room
+    stream: bool
+    return_logprob: bool
+
+
+def inspect_request(route: Route, body: dict) -> RequestShape:
+    """Check the fields the router relies on (400 on bad ones) and normalize chat's max_tokens."""
+    items, n = _batch_size(route, body), _sample_count(route, body)
+    if route is Route.CHAT and "max_tokens" in body:
+        body.setdefault("max_completion_tokens", body.pop("max_tokens"))
+    lp = body.get("return_logprob")
+    return RequestShape(
+        route=route,
+        room_count=None if items is None and n == 1 else (items or 1) * n,
+        stream=bool(body.get("stream")),
+        return_logprob=any(lp) if isinstance(lp, list) else bool(lp),
+    )
+
+
+def mint_rooms(count: int | None) -> int | list[int]:
+    if count is None:
+        return secrets.randbits(ROOM_BITS)
+    return [secrets.randbits(ROOM_BITS) for _ in range(count)]
+
+
+def leg_bodies(body: dict, host: str, port: int | None, rooms: int | list[int],
+               dp_ranks: tuple[int, int] | None = None) -> tuple[bytes, bytes]:
+    """The (prefill, decode) bodies: the client body plus PD fields; identical unless DP-aware."""
+    base = dict(body)
+    base["bootstrap_host"] = host
+    base["bootstrap_port"] = port
+    base["bootstrap_room"] = rooms
+    if dp_ranks is None:
+        data = encode(base)
+        return data, data
+    prefill_rank, decode_rank = dp_ranks
+    base.pop("data_parallel_rank", None)  # the deprecated alias would contradict our pick
+    prefill = encode({**base, "routed_dp_rank": prefill_rank})
+    decode = encode({**base, "routed_dp_rank": decode_rank, "disagg_prefill_dp_rank": prefill_rank})
+    return prefill, decode
+
+
+def _merge_one(prefill: Any, decode: Any) -> None:
+    if not (isinstance(prefill, dict) and isinstance(decode, dict)):
+        return
+    p_meta, d_meta = prefill.get("meta_info"), decode.get("meta_info")
+    if not (isinstance(p_meta, dict) and isinstance(d_meta, dict)):
+        return
+    p_lp = p_meta.get("input_token_logprobs")
+    if isinstance(p_lp, list):
+        d_lp = d_meta.get("input_token_logprobs")
+        d_meta["input_token_logprobs"] = p_lp + (d_lp if isinstance(d_lp, list) else [])
+
+
+def merge_input_logprobs(prefill_raw: bytes, decode_raw: bytes) -> bytes:
+    """Decode's reply with the prefill's meta_info.input_token_logprobs put in front (per item)."""
+    try:
+        prefill, decoded = decode(prefill_raw), decode(decode_raw)
+    except msgspec.DecodeError:
+        return decode_raw
+    if isinstance(prefill, list) and isinstance(decoded, list):
+        for p, d in zip(prefill, decoded):
+            _merge_one(p, d)
+    else:
+        _merge_one(prefill, decoded)
+    return encode(decoded)

@@ -1,0 +1,221 @@
+"""The PD exchange: send one client request to a prefill and a decode at once, answer with decode's.
+
+Life of one request (one PDExchange):
+1. pick a pair, mint rooms, post both legs concurrently;
+2. wait until decode has answered (non-stream) or sent its headers and first chunk (stream);
+   the first failing leg cancels the other and becomes the one error the client gets;
+3. a connection failure there is retried on another pair with new rooms (up to max tries);
+4. stream: commit decode's status and pass its chunks on as they come; a failure after that
+   is written into the stream as `data: {"error": ...}` then `data: [DONE]`;
+5. prefill's reply is read and dropped (merged first with `return_logprob`), in the background
+   when decode finished first. Client disconnect or the deadline cancels every open leg.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+from aiohttp import web
+
+from pdserve.core.errors import Timeout
+
+from .config import RouterConfig
+from .legs import LegClient, LegError, OpenStream, cancel_task, consume
+from .metrics import RouterMetrics
+from .pd_body import RequestShape, encode, leg_bodies, merge_input_logprobs, mint_rooms
+from .upstream import Pair, Upstream, UpstreamPool
+
+_DONE = b"data: [DONE]\n\n"
+STREAM_ERROR_WRITE_TIMEOUT_S = 5.0
+
+
+def error_body(status: int, message: str, type: str) -> bytes:
+    return encode({"error": {"message": message, "type": type, "code": status}})
+
+
+def error_response(status: int, message: str, type: str) -> web.Response:
+    return web.Response(status=status, body=error_body(status, message, type), content_type="application/json")
+
+
+class PDProxy:
+    """Shared parts of every exchange: config, pool, leg client, metrics, background drains."""
+
+    def __init__(self, cfg: RouterConfig, pool: UpstreamPool, legs: LegClient, metrics: RouterMetrics,
+                 on_connection_failure: Callable[[Upstream, str], None]):
+        self.cfg, self.pool, self.legs, self.metrics = cfg, pool, legs, metrics
+        self.on_connection_failure = on_connection_failure
+        self._background: set[asyncio.Task] = set()
+
+    async def handle(self, request: web.Request, body: dict, shape: RequestShape) -> web.StreamResponse:
+        return await PDExchange(self, request, body, shape).run()
+
+    def drain(self, task: asyncio.Task, deadline: float) -> None:
+        """Let a prefill leg finish on its own (its reply is dropped), cancelled at the deadline."""
+        self._background.add(task)
+        timer = asyncio.get_running_loop().call_at(deadline, task.cancel)
+
+        def done(t: asyncio.Task) -> None:
+            timer.cancel()
+            self._background.discard(t)
+            consume(t)
+
+        task.add_done_callback(done)
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            await cancel_task(task)
+
+
+class PDExchange:
+    def __init__(self, proxy: PDProxy, request: web.Request, body: dict, shape: RequestShape):
+        self.p, self.request, self.body, self.shape = proxy, request, body, shape
+        self.response: web.StreamResponse | None = None  # set once decode's stream is committed
+        self.where = ""  # room and servers of the current try, for error messages
+        self._timeout: asyncio.Timeout | None = None
+        self._deadline = 0.0
+
+    async def run(self) -> web.StreamResponse:
+        cfg = self.p.cfg
+        avoid: set[str] = set()
+        try:
+            async with asyncio.timeout(cfg.request_timeout_secs) as self._timeout:
+                self._deadline = asyncio.get_running_loop().time() + cfg.request_timeout_secs
+                for attempt in range(1, cfg.max_tries + 1):
+                    pair = self.p.pool.pick_pair(frozenset(avoid))
+                    try:
+                        return await self._try_pair(pair)
+                    except LegError as err:
+                        if not err.retryable:
+                            return error_response(err.status, f"{err.message} ({self.where})", err.type)
+                        self.p.on_connection_failure(err.upstream, err.message)
+                        avoid.add(err.upstream.url)
+                        if attempt == cfg.max_tries:
+                            return error_response(err.status, f"{err.message} ({self.where}; gave up after "
+                                                  f"{attempt} tries)", err.type)
+                        self.p.metrics.retries.labels("connection").inc()
+        except TimeoutError:
+            message = f"request timed out after {cfg.request_timeout_secs:g}s ({self.where})"
+            if self.response is None:
+                raise Timeout(message) from None
+            try:
+                async with asyncio.timeout(STREAM_ERROR_WRITE_TIMEOUT_S):
+                    await self._write_stream_error(Timeout.status, message, Timeout.type)
+            except TimeoutError:
+                pass  # the client does not read; drop it
+            return self.response
+        raise AssertionError("unreachable")
+
+    def _client_auth(self) -> str | None:
+        """Without a key of its own the router passes the client's Authorization on to both legs."""
+        return None if self.p.cfg.api_key else self.request.headers.get("Authorization")
+
+    def _cancel_reason(self) -> str:
+        return "timeout" if self._timeout is not None and self._timeout.expired() else "client_disconnect"
+
+    async def _cancel(self, task: asyncio.Task, role: str, reason: str) -> None:
+        """Stop a leg: cancel it if running, close it if it is an open stream."""
+        cancelled = await cancel_task(task)
+        if not cancelled and not task.cancelled() and task.exception() is None \
+                and isinstance(task.result(), OpenStream):
+            task.result().close()
+            cancelled = True
+        if cancelled:
+            self.p.metrics.cancelled_legs.labels(role, reason).inc()
+
+    async def _try_pair(self, pair: Pair) -> web.StreamResponse:
+        rooms = mint_rooms(self.shape.room_count)
+        dp = (pair.prefill.next_dp_rank(), pair.decode.next_dp_rank()) if self.p.cfg.dp_aware else None
+        self.where = (f"bootstrap_room={rooms}, prefill {pair.prefill.url}"
+                      f"{f' dp_rank {dp[0]}' if dp else ''}, decode {pair.decode.url}{f' dp_rank {dp[1]}' if dp else ''}")
+        p_body, d_body = leg_bodies(self.body, pair.prefill.bootstrap_host, pair.prefill.bootstrap_port, rooms, dp)
+        path, legs, auth = self.shape.route.value, self.p.legs, self._client_auth()
+        prefill = asyncio.create_task(legs.fetch(pair.prefill, path, p_body, auth))
+        open_decode = legs.open_stream if self.shape.stream else legs.fetch
+        decode = asyncio.create_task(open_decode(pair.decode, path, d_body, auth))
+        try:
+            await self._until_decode_answers(prefill, decode)
+        except LegError as err:
+            other, role = (decode, "decode") if err.upstream is pair.prefill else (prefill, "prefill")
+            await self._cancel(other, role, "peer_failed")
+            raise
+        except BaseException:
+            reason = self._cancel_reason()
+            await self._cancel(prefill, "prefill", reason)
+            await self._cancel(decode, "decode", reason)
+            raise
+        if self.shape.stream:
+            return await self._stream(decode.result(), prefill)
+        reply = decode.result()
+        body = reply.body
+        if self.shape.return_logprob:
+            try:
+                body = merge_input_logprobs((await prefill).body, body)
+            except BaseException:
+                await self._cancel(prefill, "prefill", self._cancel_reason())
+                raise
+        elif not prefill.done():
+            self.p.drain(prefill, self._deadline)
+        consume(prefill)
+        return web.Response(status=reply.status, body=body, headers={"Content-Type": reply.content_type})
+
+    @staticmethod
+    async def _until_decode_answers(prefill: asyncio.Task, decode: asyncio.Task) -> None:
+        """Wait for decode's answer; raise the first leg error of either side."""
+        pending = {prefill, decode}
+        while decode in pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task.exception() is not None:
+                    raise task.exception()
+
+    async def _stream(self, stream: OpenStream, prefill: asyncio.Task) -> web.StreamResponse:
+        """Commit decode's status and pass its body on chunk by chunk."""
+        def prefill_done(task: asyncio.Task) -> None:
+            # A failed prefill wakes the decode read at once with the prefill's error.
+            if not task.cancelled() and isinstance(task.exception(), LegError):
+                stream.resp.content.set_exception(task.exception())
+
+        prefill.add_done_callback(prefill_done)
+        resp = web.StreamResponse(status=stream.resp.status, headers={
+            "Content-Type": stream.resp.headers.get("Content-Type", "text/event-stream"),
+            "Cache-Control": "no-cache"})
+        try:
+            await resp.prepare(self.request)
+            self.response = resp
+            chunk = stream.first_chunk
+            while chunk:
+                await resp.write(chunk)
+                chunk = await stream.next_chunk()
+            await resp.write_eof()  # decode finished: a late prefill error changes nothing now
+        except LegError as err:
+            other_failed = prefill.done() and not prefill.cancelled() and isinstance(prefill.exception(), LegError)
+            err = prefill.exception() if other_failed else err
+            await self._cancel(prefill, "prefill", "peer_failed")
+            await self._write_stream_error(err.status, f"{err.message} ({self.where})", err.type)
+        except ConnectionError:  # writing to the client failed: it is gone (upstream errors are LegErrors)
+            await self._stop_streaming_legs(stream, prefill, "client_disconnect")
+            return resp
+        except BaseException:
+            await self._stop_streaming_legs(stream, prefill, self._cancel_reason())
+            raise
+        finally:
+            prefill.remove_done_callback(prefill_done)
+            stream.close()
+        if not prefill.done():
+            self.p.drain(prefill, self._deadline)
+        consume(prefill)
+        return resp
+
+    async def _stop_streaming_legs(self, stream: OpenStream, prefill: asyncio.Task, reason: str) -> None:
+        await self._cancel(prefill, "prefill", reason)
+        if not stream.resp.content.at_eof():  # closed by the caller's finally
+            self.p.metrics.cancelled_legs.labels("decode", reason).inc()
+
+    async def _write_stream_error(self, status: int, message: str, type: str) -> None:
+        assert self.response is not None
+        try:
+            await self.response.write(b"data: " + error_body(status, message, type) + b"\n\n" + _DONE)
+            await self.response.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass  # the client is gone too
