@@ -13,10 +13,11 @@ def _serve(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="pdserve serve", description="run a colocated, prefill or decode server")
     add_dataclass_args(p, ServerConfig)
     cfg = dataclass_from_args(ServerConfig, p.parse_args(argv))
+    from .core.envs import Envs
     from .model_files.resolve import ModelNotFound, resolve_model
 
     try:
-        model_dir = resolve_model(cfg.model)
+        model_dir = resolve_model(cfg.model, Envs.read().cache_dir)
     except ModelNotFound as e:
         sys.exit(f"pdserve: {e}")
     from .server.launch import run_server
@@ -25,7 +26,8 @@ def _serve(argv: list[str]) -> None:
 
 
 def _router(argv: list[str]) -> None:
-    from .router.cli_args import build_router_parser, run_router
+    from .router.app import run_router
+    from .router.cli_args import build_router_parser
 
     run_router(build_router_parser().parse_args(argv))
 

@@ -104,10 +104,11 @@ class Cluster:
 
 def main(argv: list[str] | None = None) -> None:
     a = build_parser().parse_args(argv)
+    from .core.envs import Envs
     from .model_files.resolve import ModelNotFound, resolve_model
 
     try:
-        model_dir = resolve_model(a.model)  # convert once here, not in each child
+        model_dir = resolve_model(a.model, Envs.read().cache_dir)  # convert once here, not in each child
     except ModelNotFound as e:
         sys.exit(f"pdserve up: {e}")
     cluster = Cluster(a, model_dir)

@@ -66,11 +66,12 @@ def main(argv=None) -> None:
 
     from transformers import AutoModelForCausalLM
 
+    from ..core.envs import Envs
     from ..model_files.resolve import resolve_model
 
     threads = a.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
-    model_dir = resolve_model(a.model)
+    model_dir = resolve_model(a.model, Envs.read().cache_dir)
     dtype = getattr(torch, a.dtype)
     engine = _engine(model_dir, a.dtype, threads, max(a.concurrency, 1))
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").eval()

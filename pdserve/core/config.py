@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import enum
+import json
 import typing
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 
 class Role(str, enum.Enum):
@@ -89,3 +90,14 @@ def dataclass_from_args(cls: type, args: argparse.Namespace, **override):
             kind = hints[f.name]
             kw[f.name] = kind(v) if isinstance(kind, type) and issubclass(kind, enum.Enum) else v
     return cls(**kw)
+
+
+def config_to_json(cfg: ServerConfig) -> str:
+    """ServerConfig as JSON (enums by value), for a worker's command line."""
+    return json.dumps({k: (v.value if isinstance(v, enum.Enum) else v) for k, v in asdict(cfg).items()})
+
+
+def config_from_json(text: str) -> ServerConfig:
+    d = json.loads(text)
+    d["role"] = Role(d["role"])
+    return ServerConfig(**d)

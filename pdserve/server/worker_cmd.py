@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import enum
-import json
 import sys
-from dataclasses import asdict
 
-from ..core.config import ServerConfig
+from ..core.config import ServerConfig, config_to_json
 
 DEFAULT_WORKER_MODULE = "pdserve.worker"
-
-
-def config_to_json(cfg: ServerConfig) -> str:
-    """ServerConfig as JSON (enums by value); the worker rebuilds it with ServerConfig(**d)."""
-    return json.dumps({k: (v.value if isinstance(v, enum.Enum) else v) for k, v in asdict(cfg).items()})
 
 
 def worker_command(worker_module: str, dp_rank: int, cfg: ServerConfig, model_dir: str,

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import traceback
 
-from ..core.config import Role, ServerConfig
+from ..core.config import config_from_json
 from ..core.envs import Envs
 from ..core.messages import WorkerFailed, WorkerReady
 from .channel import WorkerChannel
@@ -22,12 +21,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--in-addr", required=True)
     p.add_argument("--out-addr", required=True)
     return p.parse_args(argv)
-
-
-def config_from_json(text: str) -> ServerConfig:
-    d = json.loads(text)
-    d["role"] = Role(d["role"])
-    return ServerConfig(**d)
 
 
 def main(argv=None) -> None:

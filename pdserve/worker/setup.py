@@ -54,13 +54,18 @@ def build_engine(cfg: ServerConfig, model_dir: str):
     torch.set_num_threads(pick_threads(cfg))
     device = cfg.device
     dtype = pick_dtype(cfg.dtype, device)
-    model, mcfg = load_model(model_dir, dtype, device)
+    from ..model_files.hf_config import ModelConfig
+
+    mcfg = ModelConfig.from_dir(model_dir)
+    max_context = cfg.context_length or mcfg.max_position_embeddings
+    if mcfg.sliding_window:  # attention here is always full: never go past the window
+        max_context = min(max_context, mcfg.sliding_window)
+    model, mcfg = load_model(model_dir, dtype, device, max_positions=max_context)
     per_page = KVPool.bytes_per_page(mcfg.num_layers, cfg.page_size, mcfg.num_kv_heads,
                                      mcfg.head_dim, dtype)
     pages = num_kv_pages(cfg, per_page, device)
     pool = KVPool(mcfg.num_layers, pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim,
                   dtype, device)
-    max_context = cfg.context_length or mcfg.max_position_embeddings
     ecfg = EngineConfig(
         num_pages=pages,
         page_size=cfg.page_size,
