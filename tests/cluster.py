@@ -1,0 +1,127 @@
+"""Real pdserve server processes on 127.0.0.1 for end-to-end tests, always stopped by pid."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST_ENV = {  # short deadlines so failures show up in seconds
+    "PDSERVE_BOOTSTRAP_TIMEOUT": "20", "PDSERVE_WAITING_TIMEOUT": "20",
+    "PDSERVE_DP_RANK_QUERY_TIMEOUT": "10", "PDSERVE_TOPOLOGY_TIMEOUT": "5",
+    "PDSERVE_HEARTBEAT_INTERVAL": "0.5", "PDSERVE_HEARTBEAT_MAX_FAILURE": "2",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`pdserve serve` in its own process group; `stop()` kills the whole group."""
+
+    def __init__(self, role: str, model_dir: str, dp: int = 1, extra: list[str] | None = None,
+                 env: dict | None = None, log_dir: str | None = None):
+        self.role, self.dp = role, dp
+        self.port = free_port()
+        self.bootstrap_port = free_port() if role == "prefill" else None
+        args = [sys.executable, "-m", "pdserve", "serve", "--role", role, "--model", model_dir,
+                "--host", "127.0.0.1", "--port", str(self.port), "--dp-size", str(dp),
+                "--dtype", "float32", "--max-total-tokens", "2048", "--page-size", "4",
+                "--num-threads", "1", "--chunked-prefill-size", "64", "--log-level", "warning"]
+        if self.bootstrap_port:
+            args += ["--bootstrap-port", str(self.bootstrap_port)]
+        args += extra or []
+        full_env = {**os.environ, **FAST_ENV, **(env or {}), "PYTHONPATH": ROOT}
+        self.log_path = os.path.join(log_dir or "/tmp", f"pdserve-{role}-{self.port}.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(args, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, cwd=ROOT)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 180.0) -> "Server":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.role} server exited ({self.proc.returncode}):\n{self.tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.role} server not ready in {timeout}s:\n{self.tail()}")
+
+    def tail(self, n: int = 40) -> str:
+        with open(self.log_path) as f:
+            return "".join(f.readlines()[-n:])
+
+    def info(self) -> dict:
+        return httpx.get(self.url + "/server_info", timeout=10).json()
+
+    def wait_idle(self, timeout: float = 15.0) -> list[dict]:
+        """Every worker back to idle (free + cached == total, nothing running/waiting/in flight)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            workers = self.info()["workers"]
+            if all(w["free_pages"] + w["cached_pages"] == w["total_pages"] and w["running_requests"] == 0
+                   and w["waiting_requests"] == 0 and w["inflight_transfers"] == 0 for w in workers):
+                return workers
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.role} server not idle: {workers}")
+            time.sleep(0.1)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.kill(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill(signal.SIGKILL)  # the workers too, whatever happened to the front
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        self.log.close()
+
+
+def start_all(servers: list[Server]) -> list[Server]:
+    for s in servers:
+        s.wait_ready()
+    return servers
+
+
+def pd_body(body: dict, prefill: Server, room: int, **extra) -> dict:
+    return {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port,
+            "bootstrap_room": room, **extra}
+
+
+async def post_both(prefill: Server, decode: Server, body: dict, path: str = "/generate",
+                    decode_extra: dict | None = None, timeout: float = 60.0):
+    """The same body to both legs at once, as a PD router does -> (prefill resp, decode resp)."""
+    async with httpx.AsyncClient(timeout=timeout) as c:
+        return await asyncio.gather(c.post(prefill.url + path, json=body),
+                                    c.post(decode.url + path, json={**body, **(decode_extra or {})}))
+
+
+def run(coro):
+    return asyncio.run(coro)

@@ -1,0 +1,551 @@
+"""PrefillSender step by step: two FakeBackends on one FakeFabric over numpy KV pools, a
+DecodeReceiver on the other side fed by hand (fake resolver and `reserve`), no processes.
+
+The `Link` harness here is shared with test_kv_receiver.py. Deadlines are driven by an explicit
+`now`; waits for background sends and writes have deadlines of their own.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from pdserve.core.kv_layout import KVLayout
+from pdserve.disagg import wire
+from pdserve.disagg.bootstrap_table import RankInfo
+from pdserve.disagg.handoff import HandoffState
+from pdserve.disagg.kv_receiver import DecodeReceiver
+from pdserve.disagg.kv_sender import PrefillSender
+from pdserve.disagg.rank_resolver import Resolved
+from pdserve.transfer.base import layout_to_dict
+from pdserve.transfer.fake import FakeBackend, FakeFabric
+
+pytestmark = pytest.mark.timeout(60)
+
+S = HandoffState
+PAGE_SIZE, PAGES, PAGE_BYTES, REGIONS = 4, 16, 32, 4
+FP = {"architecture": "LlamaForCausalLM", "num_layers": 2, "num_kv_heads": 2, "head_dim": 4}
+ADDR = "127.0.0.1:8998"
+ROOM = 1234567
+PROMPT = 10  # tokens -> 3 pages
+SRC = [1, 2, 5]  # the prefill's pages of the prompt
+AUX = {"first_token": 42, "first_logprob": -0.25, "input_logprobs": None, "prompt_len": PROMPT}
+WAIT_S = 5.0
+THREAD_PREFIXES = ("kv-send", "kv-recv", "resolve", "dp-rank-query", "pd-heartbeat", "bootstrap-http")
+
+
+def make_memory(seed: int | None) -> tuple[np.ndarray, KVLayout]:
+    n = REGIONS * PAGES * PAGE_BYTES
+    arr = (np.zeros(n, np.uint8) if seed is None
+           else np.random.default_rng(seed).integers(1, 256, n, dtype=np.uint8))
+    layout = KVLayout(arr.ctypes.data, REGIONS, PAGES, PAGE_BYTES, PAGES * PAGE_BYTES, PAGE_SIZE, "float32")
+    return arr, layout
+
+
+def pages_of(arr: np.ndarray) -> np.ndarray:
+    return arr.reshape(REGIONS, PAGES, PAGE_BYTES)
+
+
+class GatedBackend(FakeBackend):
+    """Page writes wait for `gate` (open by default), so a test can act while a write job runs."""
+
+    def __init__(self, fabric: FakeFabric):
+        super().__init__(fabric)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.writing = threading.Event()
+
+    def _copy(self, peer, copies):
+        self.writing.set()
+        assert self.gate.wait(30), "test never opened the write gate"
+        return super()._copy(peer, copies)
+
+
+class PagePool:
+    """The decode's `reserve` callback over a free list; None when too few pages are free."""
+
+    def __init__(self, free: list[int]):
+        self.free = list(free)
+        self.held: dict[str, list[int]] = {}
+        self.calls: list[tuple[str, int]] = []
+
+    def __call__(self, rid: str, num_tokens: int) -> list[int] | None:
+        self.calls.append((rid, num_tokens))
+        n = -(-num_tokens // PAGE_SIZE)
+        if len(self.free) < n:
+            return None
+        self.held[rid], self.free = self.free[:n], self.free[n:]
+        return self.held[rid]
+
+    def release(self, rid: str) -> None:
+        self.free.extend(self.held.pop(rid))
+
+
+def pump(backend: FakeBackend, handler: Callable[[dict, dict], None], n: int = 1,
+         timeout: float = WAIT_S) -> list[dict]:
+    """Hand the next `n` control messages arriving at `backend` to `handler`; return them."""
+    got: list[dict] = []
+    end = time.monotonic() + timeout
+    while len(got) < n:
+        left = end - time.monotonic()
+        assert left > 0, f"expected {n} control messages within {timeout}s, got {got}"
+        for sender, msg in backend.recv(min(left, 0.5)):
+            got.append(msg)
+            handler(sender, msg)
+    return got
+
+
+def poll_until(poll: Callable[[], list], n: int = 1, timeout: float = WAIT_S) -> list:
+    """Call `poll` until it has returned `n` finished rooms in all."""
+    out: list = []
+    end = time.monotonic() + timeout
+    while len(out) < n:
+        assert time.monotonic() < end, f"expected {n} finished rooms within {timeout}s, got {out}"
+        out.extend(poll())
+        if len(out) < n:
+            time.sleep(0.002)
+    return out
+
+
+@dataclass
+class Link:
+    """One prefill worker's PrefillSender and one decode worker's DecodeReceiver, wired by hand."""
+
+    fabric: FakeFabric
+    prefill_be: GatedBackend
+    decode_be: FakeBackend
+    p_mem: np.ndarray
+    d_mem: np.ndarray
+    sender: PrefillSender
+    receiver: DecodeReceiver
+    pool: PagePool
+    p_local: dict
+    d_local: dict
+    resolves: list = field(default_factory=list)
+    cancels: list = field(default_factory=list)
+    wakes: list = field(default_factory=list)
+
+    def resolved(self, room: int = ROOM, rank: int = 0, error: str | None = None) -> Resolved:
+        ep = self.p_local["endpoint"]
+        info = RankInfo(dp_rank=rank, dp_size=1, rank_ip=ep["ip"], rank_port=ep["port"],
+                        page_size=PAGE_SIZE, kv_cache_dtype="float32", load_balance_method="auto",
+                        fingerprint=FP, endpoint=ep, transfer_backend="fake")
+        if error is not None:
+            return Resolved(room, ADDR, error=error)
+        return Resolved(room, ADDR, rank, "single", info, "inst-1")
+
+    def to_prefill(self, n: int = 1) -> list[dict]:
+        return pump(self.prefill_be, self.sender.on_message, n)
+
+    def to_decode(self, n: int = 1) -> list[dict]:
+        return pump(self.decode_be, self.receiver.on_message, n)
+
+    def decode_sends_req(self, room: int = ROOM, prompt_len: int = PROMPT, addr: str = ADDR) -> dict:
+        """accept + resolution on the decode; returns the kv_req once the prefill got it."""
+        self.receiver.accept(room, f"d-{room}", addr, prompt_len, None)
+        self.receiver.on_resolved(self.resolved(room))
+        assert self.receiver.poll() == []
+        [msg] = pump(self.prefill_be, lambda s, m: None)
+        assert msg["t"] == wire.KV_REQ and msg["room"] == room
+        return msg
+
+    def deliver_req(self, room: int = ROOM, prompt_len: int = PROMPT) -> None:
+        """Like decode_sends_req, but the prefill handles the kv_req."""
+        self.receiver.accept(room, f"d-{room}", ADDR, prompt_len, None)
+        self.receiver.on_resolved(self.resolved(room))
+        assert self.receiver.poll() == []
+        [msg] = self.to_prefill()
+        assert msg["t"] == wire.KV_REQ
+        self.wait_decode_state(room, S.WAITING_FOR_INPUT)
+
+    def wait_decode_state(self, room: int, state: HandoffState) -> None:
+        end = time.monotonic() + WAIT_S
+        while self.receiver.rooms[room].handoff.state is not state:
+            assert time.monotonic() < end, f"room {room} never reached {state}"
+            assert self.receiver.poll() == []
+            time.sleep(0.002)
+
+    def prefill_done(self, n: int = 1) -> list:
+        return poll_until(self.sender.poll, n)
+
+    def decode_done(self, n: int = 1) -> list:
+        return poll_until(self.receiver.poll, n)
+
+    def close(self) -> None:
+        self.prefill_be.gate.set()
+        self.sender.close(wait=True)
+        self.receiver.close(wait=True)
+        self.prefill_be.close()
+        self.decode_be.close()
+
+
+def make_link(*, decode_local: dict | None = None, free: list[int] | None = None,
+              bootstrap_timeout: float = 30.0, waiting_timeout: float = 30.0,
+              abort_grace: float = 5.0) -> Link:
+    fabric = FakeFabric()
+    p_mem, p_layout = make_memory(seed=7)
+    d_mem, d_layout = make_memory(seed=None)
+    pbe, dbe = GatedBackend(fabric), FakeBackend(fabric)
+    p_ep, d_ep = pbe.start(p_layout), dbe.start(d_layout)
+    common = {"backend": "fake", "page_size": PAGE_SIZE, "kv_dtype": "float32", "fingerprint": FP}
+    p_local = {**common, "layout": layout_to_dict(p_layout), "endpoint": p_ep}
+    d_local = {**common, "layout": layout_to_dict(d_layout), "endpoint": d_ep, **(decode_local or {})}
+    pool = PagePool([9, 3, 4, 12, 13, 14, 0, 6, 7, 8] if free is None else free)
+    wakes: list = []
+    resolves: list = []
+    cancels: list = []
+    sender = PrefillSender(pbe, 0, p_local, bootstrap_timeout=bootstrap_timeout,
+                           wake=lambda: wakes.append("prefill"))
+    receiver = DecodeReceiver(dbe, 1, d_local, resolve=lambda *a: resolves.append(a),
+                              cancel_resolve=lambda *a: cancels.append(a), reserve=pool,
+                              waiting_timeout=waiting_timeout, abort_grace=abort_grace,
+                              wake=lambda: wakes.append("decode"))
+    return Link(fabric, pbe, dbe, p_mem, d_mem, sender, receiver, pool, p_local, d_local,
+                resolves, cancels, wakes)
+
+
+@pytest.fixture(autouse=True)
+def no_stray_threads():
+    """Every thread a test starts (senders, receivers, resolvers, servers) is stopped by its end."""
+    before = set(threading.enumerate())
+    yield
+    end = time.monotonic() + WAIT_S
+    while True:
+        stray = [t.name for t in set(threading.enumerate()) - before
+                 if t.is_alive() and t.name.startswith(THREAD_PREFIXES)]
+        if not stray or time.monotonic() > end:
+            break
+        time.sleep(0.01)
+    assert not stray, f"threads left running: {stray}"
+
+
+@pytest.fixture
+def link(request) -> Link:
+    lk = make_link()
+    request.addfinalizer(lk.close)
+    return lk
+
+
+def assert_pages_landed(lk: Link, src: list[int], dst: list[int]) -> None:
+    p, d = pages_of(lk.p_mem), pages_of(lk.d_mem)
+    for s, t in zip(src, dst):
+        assert np.array_equal(d[:, t], p[:, s]), f"decode page {t} != prefill page {s}"
+    untouched = [q for q in range(PAGES) if q not in dst]
+    assert not d[:, untouched].any(), "bytes landed outside the destination pages"
+
+
+def assert_idle(lk: Link) -> None:
+    assert lk.sender.inflight() == 0 and lk.receiver.inflight() == 0
+    assert not lk.sender.early
+    assert lk.receiver.watched() == set()
+
+
+# ---- happy path -------------------------------------------------------------------------------
+@pytest.mark.parametrize("order", ["req_first", "request_first", "prefilled_first"])
+def test_happy_path_pages_land_in_dst_pages(link, order):
+    """kv_req before the prefill request, between request and prefill end, or after both."""
+    if order == "req_first":
+        link.deliver_req()
+        assert ROOM in link.sender.early and link.sender.inflight() == 0
+        link.sender.accept(ROOM, "p-1", PROMPT)
+        assert link.sender.rooms[ROOM].handoff.state is S.WAITING_FOR_INPUT
+        link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    else:
+        link.sender.accept(ROOM, "p-1", PROMPT)
+        if order == "prefilled_first":
+            link.sender.prefill_done(ROOM, SRC, dict(AUX))
+            assert link.sender.rooms[ROOM].handoff.state is S.BOOTSTRAPPING
+        link.deliver_req()
+        if order == "request_first":
+            assert link.sender.rooms[ROOM].handoff.state is S.WAITING_FOR_INPUT
+            link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    [pdone] = link.prefill_done()
+    assert pdone.ok and pdone.rid == "p-1" and pdone.reason == ""
+    [msg] = link.to_decode()
+    assert msg["t"] == wire.KV_DONE
+    [ddone] = link.decode_done()
+    assert ddone.ok and ddone.rid == f"d-{ROOM}" and ddone.room == ROOM
+    dst = link.pool.held[f"d-{ROOM}"]
+    assert dst == [9, 3, 4]
+    assert_pages_landed(link, SRC, dst)
+    assert {k: ddone.aux[k] for k in AUX} == AUX
+    nbytes = len(SRC) * REGIONS * PAGE_BYTES
+    assert pdone.meta["kv_bytes"] == nbytes == ddone.meta["kv_bytes"]
+    assert pdone.meta["prefill_dp_rank"] == 0 and pdone.meta["bootstrap_room"] == ROOM
+    assert pdone.meta["prefill_total_s"] >= 0 and pdone.meta["kv_transfer_s"] >= 0
+    assert ddone.meta["prefill_dp_rank"] == 0 and ddone.meta["decode_dp_rank"] == 1
+    assert ddone.meta["bootstrap_s"] >= 0 and ddone.meta["waiting_s"] >= 0
+    assert ddone.meta["dp_rank_path"] == "single"
+    assert "prefill" in link.wakes and "decode" in link.wakes
+    assert_idle(link)
+
+
+def test_write_job_wakes_loop_and_counts_inflight(link):
+    link.sender.accept(ROOM, "p-1", PROMPT)
+    link.deliver_req()
+    assert link.sender.inflight() == 1
+    link.prefill_be.gate.clear()
+    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    assert link.prefill_be.writing.wait(WAIT_S)
+    assert link.sender.poll() == [] and link.sender.inflight() == 1
+    link.prefill_be.gate.set()
+    assert link.prefill_done()[0].ok
+    assert link.wakes.count("prefill") >= 1
+
+
+# ---- rooms the front rejected -----------------------------------------------------------------
+CONFLICT = "follow_bootstrap_room conflict: dispatched to dp_rank 1 but bootstrap_room 7 implies dp_rank 0."
+
+
+@pytest.mark.parametrize("when", ["before_kv_req", "after_kv_req"])
+def test_room_marked_failed_fails_decode_at_once(link, when):
+    if when == "before_kv_req":
+        link.sender.mark_failed(ROOM, CONFLICT)
+        link.deliver_req()
+    else:
+        link.deliver_req()
+        assert ROOM in link.sender.early
+        link.sender.mark_failed(ROOM, CONFLICT)
+    assert ROOM not in link.sender.early
+    [msg] = link.to_decode()
+    assert msg["t"] == wire.KV_FAIL and msg["reason"] == CONFLICT
+    [ddone] = link.decode_done()
+    assert not ddone.ok and CONFLICT in ddone.reason and f"room {ROOM}" in ddone.reason
+    assert not link.d_mem.any()
+    assert link.sender.poll() == [] and link.sender.inflight() == 0
+    # should the request reach this worker anyway, it fails at once instead of timing out
+    link.sender.accept(ROOM, "p-late", PROMPT)
+    [pdone] = link.sender.poll()
+    assert not pdone.ok and pdone.reason == CONFLICT
+
+
+# ---- incompatible legs ------------------------------------------------------------------------
+@pytest.mark.parametrize("key,value", [("page_size", 8), ("kv_dtype", "bfloat16"),
+                                       ("fingerprint", {**FP, "num_layers": 3}), ("backend", "tcp")])
+def test_compat_mismatch_fails_both_sides_naming_both_values(request, key, value):
+    lk = make_link(decode_local={key: value})
+    request.addfinalizer(lk.close)
+    lk.sender.accept(ROOM, "p-1", PROMPT)
+    lk.deliver_req()
+    [pdone] = lk.sender.poll()
+    mine = lk.p_local[key]
+    assert not pdone.ok and f"{key} mismatch" in pdone.reason and f"room {ROOM}" in pdone.reason
+    assert repr(mine) in pdone.reason and repr(value) in pdone.reason
+    [msg] = lk.to_decode()
+    assert msg["t"] == wire.KV_FAIL
+    [ddone] = lk.decode_done()
+    assert not ddone.ok and f"{key} mismatch" in ddone.reason
+    assert repr(mine) in ddone.reason and repr(value) in ddone.reason
+    assert not lk.d_mem.any()
+    assert_idle(lk)
+
+
+def test_compat_mismatch_before_request_is_remembered(request):
+    lk = make_link(decode_local={"kv_dtype": "bfloat16"})
+    request.addfinalizer(lk.close)
+    lk.deliver_req()
+    assert lk.to_decode()[0]["t"] == wire.KV_FAIL
+    assert not lk.decode_done()[0].ok
+    lk.sender.accept(ROOM, "p-1", PROMPT)
+    [pdone] = lk.sender.poll()
+    assert not pdone.ok and "kv_dtype mismatch" in pdone.reason
+
+
+@pytest.mark.parametrize("decode_len", [PROMPT + 1, PROMPT + 3])
+def test_prompt_length_mismatch_fails_both(link, decode_len):
+    """PROMPT + 1 still needs 3 pages: the token count alone must catch it."""
+    link.sender.accept(ROOM, "p-1", PROMPT)
+    link.deliver_req(prompt_len=decode_len)
+    [pdone] = link.sender.poll()
+    assert not pdone.ok
+    assert f"{decode_len} tokens" in pdone.reason and f"{PROMPT} tokens" in pdone.reason
+    assert f"room {ROOM}" in pdone.reason
+    assert link.to_decode()[0]["t"] == wire.KV_FAIL
+    [ddone] = link.decode_done()
+    assert not ddone.ok and "different prompts" in ddone.reason
+    assert_idle(link)
+
+
+# ---- deadlines --------------------------------------------------------------------------------
+def test_bootstrap_timeout_without_kv_req(link):
+    link.sender.accept(ROOM, "p-1", PROMPT)
+    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    t0 = link.sender.rooms[ROOM].handoff.created
+    assert link.sender.poll(now=t0 + 29.9) == []
+    [pdone] = link.sender.poll(now=t0 + 30.1)
+    assert not pdone.ok and "PDSERVE_BOOTSTRAP_TIMEOUT" in pdone.reason
+    assert f"room {ROOM}" in pdone.reason and "dp_rank 0" in pdone.reason
+    assert "kv_req" in pdone.reason
+    assert link.sender.inflight() == 0
+
+
+def test_queued_kv_req_expires_when_request_never_comes(link):
+    link.deliver_req()
+    t = link.sender.early[ROOM][2]
+    assert link.sender.poll(now=t + 29.9) == [] and ROOM in link.sender.early
+    assert link.sender.poll(now=t + 30.1) == []
+    [msg] = link.to_decode()
+    assert msg["t"] == wire.KV_FAIL and "never received" in msg["reason"]
+    [ddone] = link.decode_done()
+    assert not ddone.ok and "PDSERVE_BOOTSTRAP_TIMEOUT" in ddone.reason
+    link.sender.accept(ROOM, "p-late", PROMPT)  # too late: fails at once
+    assert not link.sender.poll()[0].ok
+
+
+# ---- aborts on the prefill side ---------------------------------------------------------------
+@pytest.mark.parametrize("state", [S.BOOTSTRAPPING, S.WAITING_FOR_INPUT])
+def test_prefill_abort_before_transfer(link, state):
+    link.sender.accept(ROOM, "p-1", PROMPT)
+    if state is S.WAITING_FOR_INPUT:
+        link.deliver_req()
+    assert link.sender.rooms[ROOM].handoff.state is state
+    link.sender.fail(ROOM, f"room {ROOM}: prefill request aborted (client gone)")
+    [pdone] = link.sender.poll()
+    assert not pdone.ok and "client gone" in pdone.reason
+    if state is S.WAITING_FOR_INPUT:  # the decode is waiting: it is told
+        assert link.to_decode()[0]["t"] == wire.KV_FAIL
+        [ddone] = link.decode_done()
+        assert not ddone.ok and "client gone" in ddone.reason
+    link.sender.prefill_done(ROOM, SRC, dict(AUX))  # the engine finishing late changes nothing
+    assert link.sender.poll() == []
+    assert not link.d_mem.any()
+
+
+def test_prefill_abort_while_writing_keeps_pages_until_the_write_returns(link):
+    link.sender.accept(ROOM, "p-1", PROMPT)
+    link.deliver_req()
+    link.prefill_be.gate.clear()
+    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    assert link.prefill_be.writing.wait(WAIT_S)
+    link.sender.fail(ROOM, "prefill request aborted")
+    assert link.sender.rooms[ROOM].handoff.state is S.FAILED
+    t0 = link.sender.rooms[ROOM].handoff.created
+    assert link.sender.poll(now=t0 + 1000) == []  # a write still reads our pages
+    assert link.sender.inflight() == 1
+    link.prefill_be.gate.set()
+    [pdone] = link.prefill_done()
+    assert not pdone.ok and "aborted" in pdone.reason
+    [msg] = link.to_decode()  # the write finished, so its kv_done went out: the decode has its KV
+    assert msg["t"] == wire.KV_DONE
+    assert link.decode_done()[0].ok
+
+
+# ---- transfer failures ------------------------------------------------------------------------
+def test_write_failure_fails_both_sides(link):
+    link.prefill_be.faults.fail_writes = 1
+    link.sender.accept(ROOM, "p-1", PROMPT)
+    link.deliver_req()
+    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    [pdone] = link.prefill_done()
+    assert not pdone.ok and "injected write failure" in pdone.reason and f"room {ROOM}" in pdone.reason
+    [msg] = link.to_decode()
+    assert msg["t"] == wire.KV_FAIL
+    [ddone] = link.decode_done()
+    assert not ddone.ok and "injected write failure" in ddone.reason
+    assert not link.d_mem.any()
+    assert_idle(link)
+
+
+def test_kv_done_send_failure_fails_both_sides(link):
+    """The pages landed but the kv_done could not be sent: the decode must hear kv_fail."""
+    link.sender.accept(ROOM, "p-1", PROMPT)
+    link.deliver_req()
+    link.prefill_be.faults.fail_sends = 1
+    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    [pdone] = link.prefill_done()
+    assert not pdone.ok and "injected send failure" in pdone.reason
+    assert link.to_decode()[0]["t"] == wire.KV_FAIL
+    assert not link.decode_done()[0].ok
+
+
+def test_write_failure_after_abort_still_tells_the_decode(link):
+    link.sender.accept(ROOM, "p-1", PROMPT)
+    link.deliver_req()
+    link.prefill_be.gate.clear()
+    link.prefill_be.faults.fail_writes = 1
+    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    assert link.prefill_be.writing.wait(WAIT_S)
+    link.sender.fail(ROOM, "prefill request aborted")
+    assert link.sender.poll() == []
+    link.prefill_be.gate.set()
+    [pdone] = link.prefill_done()
+    assert not pdone.ok and pdone.reason == "prefill request aborted"  # the first reason wins
+    [msg] = link.to_decode()
+    assert msg["t"] == wire.KV_FAIL and msg["reason"] == "prefill request aborted"
+    assert not link.decode_done()[0].ok
+
+
+# ---- kv_abort from the decode, at each prefill state ------------------------------------------
+def _abort_msg(room: int = ROOM) -> dict:
+    return {"t": wire.KV_ABORT, "room": room, "reason": "client went away", "decode_rank": 1}
+
+
+@pytest.mark.parametrize("state", ["unknown", "queued", S.BOOTSTRAPPING, S.WAITING_FOR_INPUT])
+def test_decode_abort_is_answered_and_fails_the_room(link, state):
+    if state == "queued":
+        link.deliver_req()
+    elif state is S.WAITING_FOR_INPUT:
+        link.sender.accept(ROOM, "p-1", PROMPT)
+        link.deliver_req()
+    elif state is S.BOOTSTRAPPING:
+        link.sender.accept(ROOM, "p-1", PROMPT)
+    link.sender.on_message(link.d_local["endpoint"], _abort_msg())
+    [msg] = link.to_decode()  # always answered, so the decode may free its pages
+    assert msg["t"] == wire.KV_FAIL and "decode dp_rank 1 aborted" in msg["reason"]
+    assert ROOM not in link.sender.early
+    if state in ("unknown", "queued"):
+        link.sender.accept(ROOM, "p-1", PROMPT)  # the request arrives after the abort
+    [pdone] = link.sender.poll()
+    assert not pdone.ok and "client went away" in pdone.reason and f"room {ROOM}" in pdone.reason
+    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    assert link.sender.poll() == [] and not link.d_mem.any()
+
+
+def test_decode_abort_overtaking_its_kv_req_is_never_served(link):
+    link.sender.accept(ROOM, "p-1", PROMPT)
+    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    link.sender.on_message(link.d_local["endpoint"], _abort_msg())
+    assert not link.sender.poll()[0].ok
+    link.deliver_req()  # arrives late: refused, nothing written
+    assert [m["t"] for m in link.to_decode(2)] == [wire.KV_FAIL, wire.KV_FAIL]
+    assert not link.decode_done()[0].ok
+    assert not link.d_mem.any() and link.sender.inflight() == 0
+
+
+def test_decode_abort_during_write_answered_after_the_write(link):
+    link.sender.accept(ROOM, "p-1", PROMPT)
+    link.deliver_req()
+    link.prefill_be.gate.clear()
+    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    assert link.prefill_be.writing.wait(WAIT_S)
+    link.sender.on_message(link.d_local["endpoint"], _abort_msg())
+    assert link.sender.poll() == []
+    link.prefill_be.gate.set()
+    [pdone] = link.prefill_done()
+    assert not pdone.ok and "client went away" in pdone.reason
+    assert [m["t"] for m in link.to_decode()] == [wire.KV_DONE]  # the answer: pages landed
+
+
+def test_messages_without_room_or_endpoint_are_ignored(link):
+    link.sender.accept(ROOM, "p-1", PROMPT)
+    link.sender.on_message(link.d_local["endpoint"], {"t": wire.KV_REQ, "room": "x"})
+    link.sender.on_message(link.d_local["endpoint"], {"t": wire.KV_REQ, "room": ROOM})
+    link.sender.on_message(link.d_local["endpoint"], {"t": "bogus", "room": ROOM})
+    assert link.sender.rooms[ROOM].handoff.state is S.BOOTSTRAPPING
+    assert link.sender.poll() == [] and not link.sender.early
+
+
+def test_duplicate_kv_req_is_ignored(link):
+    link.sender.accept(ROOM, "p-1", PROMPT)
+    req = link.decode_sends_req()
+    link.sender.on_message(link.d_local["endpoint"], req)
+    assert link.sender.rooms[ROOM].handoff.state is S.WAITING_FOR_INPUT
+    link.sender.on_message(link.d_local["endpoint"], {**req, "dst_pages": [0]})
+    assert link.sender.rooms[ROOM].req["dst_pages"] == req["dst_pages"]
+    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    assert link.prefill_done()[0].ok
