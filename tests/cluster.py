@@ -14,7 +14,7 @@ import httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST_ENV = {  # short deadlines so failures show up in seconds
-    "PDSERVE_BOOTSTRAP_TIMEOUT": "20", "PDSERVE_WAITING_TIMEOUT": "20",
+    "PDSERVE_BOOTSTRAP_TIMEOUT": "8", "PDSERVE_WAITING_TIMEOUT": "20",
     "PDSERVE_DP_RANK_QUERY_TIMEOUT": "10", "PDSERVE_TOPOLOGY_TIMEOUT": "5",
     "PDSERVE_HEARTBEAT_INTERVAL": "0.5", "PDSERVE_HEARTBEAT_MAX_FAILURE": "2",
 }

@@ -68,6 +68,8 @@ REGISTRY: tuple[EnvVar, ...] = (
            "missed heartbeats before a prefill is declared gone"),
     EnvVar("PDSERVE_ROOM_TTL", 600.0, (), "seconds a bootstrap table entry lives"),
     EnvVar("PDSERVE_CACHE_DIR", "", (), "where converted models are cached (default ~/.cache/pdserve)"),
+    EnvVar("PDSERVE_MOONCAKE_PROTOCOL", "tcp", (), "mooncake transfer backend protocol: tcp or rdma"),
+    EnvVar("PDSERVE_MOONCAKE_DEVICE", "", (), "mooncake RDMA device name(s), e.g. mlx5_0 (empty: Mooncake picks)"),
 )
 
 
@@ -84,6 +86,8 @@ class Envs:
     heartbeat_max_failure: int = 2
     room_ttl: float = 600.0
     cache_dir: str = ""
+    mooncake_protocol: str = "tcp"
+    mooncake_device: str = ""
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> "Envs":

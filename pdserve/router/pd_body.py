@@ -125,8 +125,11 @@ def leg_bodies(body: dict, host: str, port: int | None, rooms: int | list[int],
         return data, data
     prefill_rank, decode_rank = dp_ranks
     base.pop("data_parallel_rank", None)  # the deprecated alias would contradict our pick
+    # Both legs name the prefill rank: decode contacts it with no query, and on a
+    # follow_bootstrap_room prefill it pins the rank instead of being a routed/room conflict.
+    base["disagg_prefill_dp_rank"] = prefill_rank
     prefill = encode({**base, "routed_dp_rank": prefill_rank})
-    decode = encode({**base, "routed_dp_rank": decode_rank, "disagg_prefill_dp_rank": prefill_rank})
+    decode = encode({**base, "routed_dp_rank": decode_rank})
     return prefill, decode
 
 

@@ -3,7 +3,8 @@
 Life of one request (one PDExchange):
 1. pick a pair, mint rooms, post both legs concurrently;
 2. wait until decode has answered (non-stream) or sent its headers and first chunk (stream);
-   the first failing leg cancels the other and becomes the one error the client gets;
+   the first failing leg cancels the other and becomes the one error the client gets (a
+   decode 5xx first waits briefly for the prefill, whose rejection is then the cause reported);
 3. a connection failure there is retried on another pair with new rooms (up to max tries);
 4. stream: commit decode's status and pass its chunks on as they come; a failure after that
    is written into the stream as `data: {"error": ...}` then `data: [DONE]`;
@@ -28,6 +29,7 @@ from .upstream import Pair, Upstream, UpstreamPool
 
 _DONE = b"data: [DONE]\n\n"
 STREAM_ERROR_WRITE_TIMEOUT_S = 5.0
+PREFILL_VERDICT_GRACE_S = 0.5  # how long a failed decode leg waits for the prefill's own error
 
 
 def error_body(status: int, message: str, type: str) -> bytes:
@@ -161,13 +163,24 @@ class PDExchange:
 
     @staticmethod
     async def _until_decode_answers(prefill: asyncio.Task, decode: asyncio.Task) -> None:
-        """Wait for decode's answer; raise the first leg error of either side."""
+        """Wait for decode's answer; raise the first leg error of either side.
+
+        A decode 5xx is often the echo of a prefill rejection (the prefill fails the room, the
+        decode's handoff fails with it), so the prefill gets a short grace to report the cause.
+        """
         pending = {prefill, decode}
         while decode in pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                if task.exception() is not None:
-                    raise task.exception()
+            if prefill in done and prefill.exception() is not None:
+                raise prefill.exception()
+            err = decode.exception() if decode in done else None
+            if err is None:
+                continue
+            if prefill in pending and isinstance(err, LegError) and err.status >= 500:
+                await asyncio.wait({prefill}, timeout=PREFILL_VERDICT_GRACE_S)
+                if prefill.done() and isinstance(prefill.exception(), LegError):
+                    raise prefill.exception()
+            raise err
 
     async def _stream(self, stream: OpenStream, prefill: asyncio.Task) -> web.StreamResponse:
         """Commit decode's status and pass its body on chunk by chunk."""

@@ -133,17 +133,18 @@ class Generator:
     def start(self, items: list[RequestItem], pinned: Dispatch | None = None) -> ActiveRequest:
         """Check, dispatch and send every item (no await: atomic on the event loop).
         `pinned` bypasses the role (health checks)."""
-        items = [self.check(it) for it in items]
         dispatches: list[Dispatch] = []
         try:
+            items = [self.check(it) for it in items]
             for it in items:
                 d = pinned or self.role.dispatch(it, self.dispatcher)
                 self.dispatcher.started(d.dp_rank, _cost(it))
                 dispatches.append(d)
             self.pool.check_free([it.rid for it in items])
-        except BaseException:
+        except BaseException as e:
             for it, d in zip(items, dispatches):
                 self.dispatcher.finished(d.dp_rank, _cost(it))
+            self.role.rejected(items, e)
             raise
         active = ActiveRequest(self, items, dispatches)
         self.metrics.items_started(len(items))

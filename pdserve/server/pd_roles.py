@@ -69,14 +69,24 @@ class PrefillFrontRole(FrontRole):
                                 routed_dp_rank=item.routed_dp_rank,
                                 prefill_dp_rank_hint=pd.prefill_dp_rank, force=self.force,
                                 balanced_rank=balanced)
-        if d.failed_reason is not None:
-            self.table.record_failed(pd.bootstrap_room, d.failed_reason)
-            self.notify(pd.bootstrap_room % dp, RoomFailedNotice(pd.bootstrap_room, d.failed_reason))
+        if d.failed_reason is not None:  # rejected(): recorded as failed, workers told
             log.warning("room %d rejected: %s", pd.bootstrap_room, d.failed_reason)
             raise BadRequest(d.failed_reason)
         if d.record:
             self.table.record(pd.bootstrap_room, d.rank)
         return Dispatch(d.rank, d.path, pd)
+
+    def rejected(self, items: list[RequestItem], error: BaseException) -> None:
+        """A refused PD item fails its room everywhere a decode may look, so the decode leg
+        ends at once with the same reason instead of waiting for a deadline."""
+        reason = getattr(error, "message", None) or str(error)
+        for it in items:
+            room = it.pd.bootstrap_room
+            if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 1 << 63:
+                continue
+            self.table.record_failed(room, reason)
+            for rank in range(self.cfg.dp_size):
+                self.notify(rank, RoomFailedNotice(room, reason))
 
     def server_info(self) -> dict:
         return {"bootstrap_port": self.cfg.bootstrap_port, "force_query_prefill_dp_rank": self.force,

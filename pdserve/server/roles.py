@@ -71,6 +71,9 @@ class FrontRole(ABC):
     def server_info(self) -> dict:
         return {}
 
+    def rejected(self, items: list[RequestItem], error: BaseException) -> None:
+        """The request was refused before reaching any worker (bad input, conflict)."""
+
     async def before_workers(self) -> None:
         pass
 

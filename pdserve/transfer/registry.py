@@ -10,6 +10,7 @@ from .base import TransferBackend, TransferError
 BACKENDS: dict[str, str] = {
     "tcp": "pdserve.transfer.tcp:TcpBackend",
     "fake": "pdserve.transfer.fake:FakeBackend",
+    "mooncake": "pdserve.transfer.mooncake:MooncakeBackend",
 }
 
 

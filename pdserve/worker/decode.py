@@ -32,12 +32,16 @@ class DecodeRole(WorkerRole):
         self.resolver = RankResolver(
             self.client, decode_force=cfg.force_query_prefill_dp_rank or envs.force_query_prefill_dp_rank,
             topology_timeout=envs.topology_timeout, query_timeout=envs.dp_rank_query_timeout,
-            on_result=self.receiver.on_resolved)
+            on_result=self._on_resolved)
         self.heartbeat = Heartbeat(self.client, interval=envs.heartbeat_interval,
                                    max_failures=envs.heartbeat_max_failure,
                                    watched=self.receiver.watched, on_gone=self.receiver.on_gone)
         self.pump = MessagePump(self.backend, self.ctx.wake)
         return {"transfer_endpoint": self.local["endpoint"]}
+
+    def _on_resolved(self, res) -> None:
+        self.heartbeat.note_instance(res.addr, res.instance_id)  # a restart after this is noticed
+        self.receiver.on_resolved(res)
 
     def _resolve(self, addr: str, room: int, hint: int | None) -> None:
         self.resolver.resolve(addr, room, hint)

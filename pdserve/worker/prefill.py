@@ -51,6 +51,8 @@ class PrefillRole(WorkerRole):
             self.engine.add(EngineRequest(req.rid, req.input_ids, req.sampling.replace(max_new_tokens=1),
                                           req.return_logprob, hold_kv=True))
         except PDServeError as e:
+            if req.pd is not None:  # a decode asking for this room must fail at once too
+                self.sender.mark_failed(req.pd.bootstrap_room, e.message)
             return [error_output(req.rid, e.status, e.message, e.type)]
         self.rooms[req.rid] = req.pd.bootstrap_room
         self.sender.accept(req.pd.bootstrap_room, req.rid, len(req.input_ids))
