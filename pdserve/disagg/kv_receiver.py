@@ -153,6 +153,12 @@ class DecodeReceiver:
         if res.error is not None:
             self._fail(r, res.error, tell_prefill=False)
             return
+        theirs = res.info.transfer_backend if res.info is not None else self.local["backend"]
+        if theirs != self.local["backend"]:
+            self._fail(r, f"room {r.room}: prefill {r.addr} dp_rank {res.rank} uses transfer backend "
+                          f"{theirs!r}, this decode (dp_rank {self.dp_rank}) uses {self.local['backend']!r}: "
+                          "start both with the same --transfer-backend", tell_prefill=False)
+            return
         r.resolved, r.resolved_at = res, time.monotonic()
 
     def _ev_sent(self, data: tuple[int, str | None]) -> None:

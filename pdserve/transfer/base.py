@@ -210,6 +210,11 @@ class TransferBackend(ABC):
     name: str = "?"
     protocol_version: int = PROTOCOL_VERSION
 
+    @classmethod
+    def env_options(cls, envs) -> dict:
+        """Constructor options this backend takes from the env registry (none by default)."""
+        return {}
+
     def __init__(self) -> None:
         self.layout: KVLayout | None = None
         self.endpoint: dict | None = None

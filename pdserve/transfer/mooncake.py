@@ -173,7 +173,7 @@ class MooncakeBackend(TransferBackend):
         self._ctl.ensure_connected(peer)
         base, peer_base, session = self.layout.base_ptr, peer["base_ptr"], peer["session"]
         started = time.time()
-        for i in range(0, 0, MAX_BATCH):
+        for i in range(0, len(copies), MAX_BATCH):
             batch = copies[i:i + MAX_BATCH]
             rc = engine.batch_transfer_sync_write(
                 session, [base + c.src_offset for c in batch], [peer_base + c.dst_offset for c in batch],

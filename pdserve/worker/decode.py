@@ -14,7 +14,7 @@ from ..disagg.kv_receiver import DecodeReceiver
 from ..disagg.rank_resolver import RankResolver
 from ..engine.sequence import EngineRequest
 from .colocated import ColocatedRole
-from .pd_common import require_pd, start_backend
+from .pd_common import log_handoff, require_pd, start_backend
 from .pump import MessagePump
 from .role import WorkerRole, error_output, to_token_output
 
@@ -89,6 +89,7 @@ class DecodeRole(WorkerRole):
             self.receiver.on_message(sender, msg)
         outs = []
         for done in self.receiver.poll():
+            log_handoff(done)
             req = self.pending.pop(done.room, None)
             if req is None:
                 continue

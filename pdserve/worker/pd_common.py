@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+
 from ..core.errors import BadRequest
 from ..core.messages import GenerateReq
 from ..transfer.base import TransferBackend, layout_to_dict
-from ..transfer.registry import create_backend
+from ..transfer.registry import backend_class
 from .role import RoleContext
+
+log = logging.getLogger("pdserve.handoff")
 
 
 def start_backend(ctx: RoleContext) -> tuple[TransferBackend, dict]:
     """Start this worker's backend over its KV pool; -> (backend, local facts for kv_req checks)."""
-    backend = create_backend(ctx.cfg.transfer_backend)
+    cls = backend_class(ctx.cfg.transfer_backend)
+    backend = cls(**cls.env_options(ctx.envs))
     layout = ctx.engine.pool.layout()
     endpoint = backend.start(layout, host=ctx.cfg.host)
     local = {
@@ -31,3 +36,12 @@ def require_pd(req: GenerateReq, role: str) -> None:
                          "and bootstrap_room")
     if req.sampling.max_new_tokens < 1:
         raise BadRequest(f"request {req.rid}: max_new_tokens must be >= 1 for a disaggregated request")
+
+
+def log_handoff(done) -> None:
+    """One line per finished handoff (RoomDone / DecodeDone): room, ranks, timings, cause."""
+    fields = " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in done.meta.items())
+    if done.ok:
+        log.info("handoff ok room=%d rid=%s %s", done.room, done.rid, fields)
+    else:
+        log.warning("handoff failed room=%d rid=%s %s reason=%r", done.room, done.rid, fields, done.reason)

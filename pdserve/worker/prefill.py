@@ -14,13 +14,11 @@ from ..disagg.bootstrap_table import RankInfo
 from ..disagg.kv_sender import PrefillSender
 from ..engine.sequence import EngineRequest, StepOutput
 from .colocated import ColocatedRole
-from .pd_common import require_pd, start_backend
+from .pd_common import log_handoff, require_pd, start_backend
 from .pump import MessagePump
 from .role import WorkerRole, error_output, to_token_output
 
 REGISTER_DEADLINE_S = 120.0
-
-
 class PrefillRole(WorkerRole):
     def start(self) -> dict:
         cfg = self.ctx.cfg
@@ -88,6 +86,7 @@ class PrefillRole(WorkerRole):
             self.sender.on_message(sender, msg)
         outs = []
         for done in self.sender.poll():
+            log_handoff(done)
             self.rooms.pop(done.rid, None)
             first = self.first.pop(done.rid, None)
             self.engine.abort(done.rid)  # frees held pages, or stops a prefill still running

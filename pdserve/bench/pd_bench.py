@@ -1,0 +1,148 @@
+"""`pdserve bench pd`: what disaggregation costs at low load, measured side by side in one run.
+
+Starts a colocated server, a prefill server (dp 2, follow_bootstrap_room) and two decode
+servers (one normal, one with FORCE, so it always takes the query path), then sends the
+same 1-token requests one at a time, round-robin over the three setups, for each prompt
+length. With max_new_tokens=1 the end-to-end latency is the TTFT. Prints p50 TTFT of each
+setup, the extra TTFT of PD over colocated next to the pure transfer time and the rest of the
+handoff breakdown, and the query-path cost over the fast path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Proc:
+    def __init__(self, args: list[str]):
+        self.port = _free_port()
+        self.bootstrap_port = _free_port()
+        cmd = [sys.executable, "-m", "pdserve", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+               "--bootstrap-port", str(self.bootstrap_port), "--log-level", "warning", *args]
+        self.proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server {self.url} exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"server {self.url} not ready")
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=15)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _prompt_ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 40000) for _ in range(n)]
+
+
+async def _colocated(c: httpx.AsyncClient, url: str, ids: list[int]) -> float:
+    t0 = time.perf_counter()
+    r = await c.post(url + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})
+    r.raise_for_status()
+    return time.perf_counter() - t0
+
+
+async def _pd(c: httpx.AsyncClient, p: _Proc, d: _Proc, ids: list[int]) -> tuple[float, dict]:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": p.bootstrap_port, "bootstrap_room": random.getrandbits(63)}
+    t0 = time.perf_counter()
+    rp, rd = await asyncio.gather(c.post(p.url + "/generate", json=body), c.post(d.url + "/generate", json=body))
+    dt = time.perf_counter() - t0
+    rp.raise_for_status()
+    rd.raise_for_status()
+    return dt, rd.json()["meta_info"]
+
+
+def _p50(xs: list[float]) -> float:
+    return statistics.median(xs) * 1000
+
+
+async def _run(a, colo: _Proc, pre: _Proc, dec: _Proc, dec_q: _Proc) -> None:
+    async with httpx.AsyncClient(timeout=120) as c:
+        print(f"{'prompt':>7} {'colo TTFT':>10} {'PD TTFT':>9} {'extra':>8} {'transfer':>9} "
+              f"{'resolve':>8} {'prealloc':>9} {'KiB':>7} {'GB/s':>6} {'query TTFT':>11} {'query-fast':>11}   (ms, p50)")
+        for n in a.prompt_lens:
+            ids = _prompt_ids(n, n)
+            for _ in range(2):  # warm-up: topology caches, connections, allocator
+                await _colocated(c, colo.url, ids)
+                await _pd(c, pre, dec, ids)
+                await _pd(c, pre, dec_q, ids)
+            col, pd, q, meta = [], [], [], []
+            for i in range(a.repeats):
+                ids_i = _prompt_ids(n, n * 1000 + i)
+                col.append(await _colocated(c, colo.url, ids_i))
+                dt, m = await _pd(c, pre, dec, ids_i)
+                pd.append(dt)
+                meta.append(m)
+                q.append((await _pd(c, pre, dec_q, ids_i))[0])
+            transfer = [m["kv_transfer_s"] for m in meta]
+            print(f"{n:>7} {_p50(col):>10.1f} {_p50(pd):>9.1f} {_p50(pd) - _p50(col):>8.1f} "
+                  f"{_p50(transfer):>9.2f} {_p50([m['resolve_s'] for m in meta]):>8.2f} "
+                  f"{_p50([m.get('prealloc_wait_s', 0.0) for m in meta]):>9.3f} "
+                  f"{statistics.median(m['kv_bytes'] for m in meta) / 1024:>7.0f} "
+                  f"{statistics.median(m['kv_gbps'] or 0 for m in meta):>6.2f} {_p50(q):>11.1f} "
+                  f"{_p50(q) - _p50(pd):>11.1f}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="pdserve bench pd", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 512, 2048])
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--dtype", default="auto")
+    a = p.parse_args(argv)
+    from ..core.envs import Envs
+    from ..model_files.resolve import resolve_model
+
+    model = resolve_model(a.model, Envs.read().cache_dir)
+    common = ["--model", model, "--dtype", a.dtype, "--max-total-tokens", "16384", "--num-threads", "1"]
+    procs = [_Proc(["--role", "colocated", *common]), _Proc(["--role", "prefill", "--dp-size", "2", *common])]
+    procs += [_Proc(["--role", "decode", *common]),
+              _Proc(["--role", "decode", "--force-query-prefill-dp-rank", *common])]
+    try:
+        for x in procs:
+            x.wait()
+        print(f"model={model} colocated dp1 | prefill dp2 (follow_bootstrap_room) | decode dp1 fast path "
+              f"and decode dp1 with FORCE (query path); {a.repeats} sequential 1-token requests per length; "
+              f"1 torch thread per worker")
+        asyncio.run(_run(a, *procs))
+    finally:
+        for x in procs:
+            x.stop()
+
+
+if __name__ == "__main__":
+    main()
