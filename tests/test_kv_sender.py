@@ -326,7 +326,7 @@ def test_room_marked_failed_fails_decode_at_once(link, when):
 
 # ---- incompatible legs ------------------------------------------------------------------------
 @pytest.mark.parametrize("key,value", [("page_size", 8), ("kv_dtype", "bfloat16"),
-                                       ("fingerprint", {**FP, "num_layers": 3}), ("backend", "tcp")])
+                                       ("fingerprint", {**FP, "num_layers": 3})])
 def test_compat_mismatch_fails_both_sides_naming_both_values(request, key, value):
     lk = make_link(decode_local={key: value})
     request.addfinalizer(lk.close)
@@ -342,6 +342,19 @@ def test_compat_mismatch_fails_both_sides_naming_both_values(request, key, value
     assert not ddone.ok and f"{key} mismatch" in ddone.reason
     assert repr(mine) in ddone.reason and repr(value) in ddone.reason
     assert not lk.d_mem.any()
+    assert_idle(lk)
+
+
+def test_backend_mismatch_fails_the_decode_at_resolution(request):
+    """A prefill registered with another transfer backend is refused before any kv_req."""
+    lk = make_link(decode_local={"backend": "tcp"})
+    request.addfinalizer(lk.close)
+    lk.receiver.accept(ROOM, f"d-{ROOM}", ADDR, PROMPT, None)
+    lk.receiver.on_resolved(lk.resolved(ROOM))
+    [ddone] = lk.receiver.poll()
+    assert not ddone.ok and f"room {ROOM}" in ddone.reason
+    assert "'fake'" in ddone.reason and "'tcp'" in ddone.reason
+    assert lk.prefill_be.recv(0.2) == []  # nothing reached the prefill
     assert_idle(lk)
 
 
