@@ -45,6 +45,8 @@ BENCHES = {
     "router": "pdserve.bench.router_bench",
     "pd": "pdserve.bench.pd_bench",
     "sweep": "pdserve.bench.sweep",
+    "metrics": "pdserve.bench.metrics_overhead",
+    "kv": "pdserve.bench.kv_backends_bench",
 }
 
 

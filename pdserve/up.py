@@ -1,21 +1,26 @@
 """`pdserve up`: a PD cluster on this machine (router + one prefill + one decode server).
 
-Starts the three as child processes, waits until each answers /health, prints the URL and an
-example request, and stops every child on Ctrl-C or SIGTERM. `--ask TEXT` sends one chat
-request through the router, prints the answer, and stops everything.
+Starts the three as child processes (each in its own process group, output in a log file),
+waits until each answers /health, prints the URL and an example request, and stops every
+child on Ctrl-C or SIGTERM, start-up included. `--ask TEXT` sends one chat request through the
+router, prints only the answer on stdout, and stops everything.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+
+STOP_GRACE_S = 20.0  # SIGTERM, then SIGKILL to the whole group
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,9 +38,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--policy", default="round_robin")
     p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--log-dir", default=None, help="where the children's logs go (default: a new temp dir)")
     p.add_argument("--ask", default=None, help="send this chat message, print the answer, then stop")
     p.add_argument("--max-tokens", type=int, default=64, help="for --ask")
     return p
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived; raised from the handler so that any wait stops at once."""
+
+
+class StopSignals:
+    """SIGINT/SIGTERM raise Interrupted, except inside `deferred()` (a child being spawned and
+    recorded), where they are raised at its end. After the first one both are ignored, so the
+    clean-up that follows runs to its end."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self._depth = 0
+        self._pending: int | None = None
+
+    def install(self) -> None:
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def ignore(self) -> None:
+        for sig in self.SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
+    def _handle(self, signum, frame) -> None:
+        if self._depth:
+            self._pending = signum
+            return
+        self.ignore()
+        raise Interrupted(signal.Signals(signum).name)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if not self._depth and self._pending is not None:
+                self._handle(self._pending, None)
 
 
 def _get(url: str, timeout: float = 2.0) -> int:
@@ -48,19 +95,38 @@ def _get(url: str, timeout: float = 2.0) -> int:
 
 def _post(url: str, body: dict, timeout: float = 300.0) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"POST {url} -> {e.code}: {e.read().decode(errors='replace')[:1000]}") from None
+
+
+def _tail(path: str, n: int = 30) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
 
 
 class Cluster:
-    def __init__(self, a: argparse.Namespace, model_dir: str):
+    """The child processes, started in order and stopped in reverse order."""
+
+    def __init__(self, a: argparse.Namespace, model_dir: str, log_dir: str, signals: StopSignals):
         self.a = a
+        self.signals = signals
         self.model_dir = model_dir
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.log_dir = log_dir
+        self.procs: list[tuple[str, subprocess.Popen, str]] = []  # (name, process, log path)
 
     def _spawn(self, name: str, args: list[str]) -> None:
         cmd = [sys.executable, "-m", "pdserve", *args]
-        self.procs.append((name, subprocess.Popen(cmd, start_new_session=True)))
+        log_path = os.path.join(self.log_dir, f"{name}.log")
+        with self.signals.deferred(), open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+            self.procs.append((name, proc, log_path))
 
     def start(self) -> None:
         a = self.a
@@ -81,25 +147,39 @@ class Cluster:
     def _wait(self, url: str, name: str) -> None:
         deadline = time.monotonic() + self.a.start_timeout
         while time.monotonic() < deadline:
-            for n, p in self.procs:
-                if p.poll() is not None:
-                    raise RuntimeError(f"{n} exited with code {p.returncode} during start-up")
+            self.check_alive()
             if _get(url) == 200:
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"{name} did not become healthy at {url} within {self.a.start_timeout:.0f}s")
+        raise RuntimeError(f"{name} did not become healthy at {url} within {self.a.start_timeout:.0f}s; "
+                           f"its log:\n{_tail(self._log_of(name))}")
+
+    def _log_of(self, name: str) -> str:
+        return next(path for n, _, path in self.procs if n == name)
+
+    def check_alive(self) -> None:
+        for name, p, log_path in self.procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {p.returncode}; its log ({log_path}):\n"
+                                   f"{_tail(log_path)}")
 
     def stop(self) -> None:
-        for _, p in reversed(self.procs):
+        """SIGTERM each child, wait up to STOP_GRACE_S, then SIGKILL its whole group (its workers too)."""
+        self.signals.ignore()
+        for _, p, _ in reversed(self.procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for _, p in reversed(self.procs):
+        deadline = time.monotonic() + STOP_GRACE_S
+        for _, p, _ in reversed(self.procs):
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                pass
+            try:  # leftovers of the group even when the front exited by itself
                 os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+            except (ProcessLookupError, PermissionError):
+                pass
+            p.wait()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -111,30 +191,32 @@ def main(argv: list[str] | None = None) -> None:
         model_dir = resolve_model(a.model, Envs.read().cache_dir)  # convert once here, not in each child
     except ModelNotFound as e:
         sys.exit(f"pdserve up: {e}")
-    cluster = Cluster(a, model_dir)
-    stop = {"now": False}
-
-    def on_signal(signum, frame):
-        stop["now"] = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    log_dir = a.log_dir or tempfile.mkdtemp(prefix="pdserve-up-")
+    os.makedirs(log_dir, exist_ok=True)
+    signals = StopSignals()
+    cluster = Cluster(a, model_dir, log_dir, signals)
+    signals.install()
     url = f"http://{a.host}:{a.port}"
+    print(f"pdserve up: starting router + prefill (dp {a.prefill_dp}) + decode (dp {a.decode_dp}); "
+          f"logs in {log_dir}", file=sys.stderr, flush=True)
     try:
         cluster.start()
         example = {"model": "default", "messages": [{"role": "user", "content": a.ask or "What is the capital of France?"}],
                    "max_tokens": a.max_tokens, "temperature": 0}
         if a.ask is not None:
             reply = _post(f"{url}/v1/chat/completions", example)
-            print(reply["choices"][0]["message"]["content"])
+            print(reply["choices"][0]["message"]["content"], flush=True)
             return
         print(f"pdserve is up: router {url}  (prefill :{a.prefill_port} dp={a.prefill_dp}, "
-              f"decode :{a.decode_port} dp={a.decode_dp})\ntry:\n  curl {url}/v1/chat/completions "
+              f"decode :{a.decode_port} dp={a.decode_dp}; logs in {log_dir})\ntry:\n  curl {url}/v1/chat/completions "
               f"-H 'Content-Type: application/json' -d '{json.dumps(example)}'", flush=True)
-        while not stop["now"] and all(p.poll() is None for _, p in cluster.procs):
+        while True:
+            cluster.check_alive()
             time.sleep(0.5)
+    except Interrupted as e:
+        print(f"pdserve up: {e}, stopping", file=sys.stderr, flush=True)
     except RuntimeError as e:
-        print(f"pdserve up: {e}", file=sys.stderr)
+        print(f"pdserve up: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
     finally:
         cluster.stop()

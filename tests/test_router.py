@@ -383,7 +383,7 @@ def test_dp_aware_pins_ranks_on_both_legs(procs):
     assert [b["routed_dp_rank"] for b in p_bodies] == [0, 1, 0, 1, 0, 1]
     assert [b["routed_dp_rank"] for b in d_bodies] == [0, 1, 2, 0, 1, 2]
     for p, d in zip(p_bodies, d_bodies):
-        assert d["disagg_prefill_dp_rank"] == p["routed_dp_rank"] and "disagg_prefill_dp_rank" not in p
+        assert d["disagg_prefill_dp_rank"] == p["routed_dp_rank"] == p["disagg_prefill_dp_rank"]
         assert p["bootstrap_room"] == d["bootstrap_room"] and p["bootstrap_port"] is None
         assert "data_parallel_rank" not in p and "data_parallel_rank" not in d
 

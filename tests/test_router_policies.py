@@ -155,7 +155,7 @@ def test_leg_bodies_identical_without_dp_and_pinned_with_dp():
                                       "bootstrap_room": 42}
     p, d = leg_bodies(body, "h", 9000, [1, 2], dp_ranks=(1, 3))
     p, d = msgspec.json.decode(p), msgspec.json.decode(d)
-    assert p["routed_dp_rank"] == 1 and "disagg_prefill_dp_rank" not in p
+    assert p["routed_dp_rank"] == 1 and p["disagg_prefill_dp_rank"] == 1
     assert d["routed_dp_rank"] == 3 and d["disagg_prefill_dp_rank"] == 1
     assert "data_parallel_rank" not in p and "data_parallel_rank" not in d
     assert body == {"text": "x", "data_parallel_rank": 7}  # the client body is not modified

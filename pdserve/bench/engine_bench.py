@@ -1,7 +1,9 @@
 """`pdserve bench engine`: our engine against HF transformers on the same weights, one run.
 
 Prints medians and ratios: single-stream decode tokens/s, and throughput of N concurrent
-requests (continuous batching) against HF `generate` at a fixed batch size.
+requests (continuous batching) against HF `generate` at a fixed batch size. Each figure is
+given by wall clock and by process CPU time: with --threads 1 the CPU-time ratio stays
+meaningful on a machine shared with other work, where wall-clock ratios swing.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -23,22 +26,40 @@ def _engine(model_dir: str, dtype: str, threads: int, max_running: int):
     return engine
 
 
-def _run_ours(engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
+@dataclass
+class Timing:
+    wall: float
+    cpu: float
+    tokens: int
+
+
+def _timed(fn) -> Timing:
+    w0, c0 = time.perf_counter(), time.process_time()
+    n = fn()
+    return Timing(time.perf_counter() - w0, time.process_time() - c0, n)
+
+
+def _run_ours(engine, prompts: list[list[int]], new_tokens: int) -> Timing:
     from ..core.sampling import SamplingParams
     from ..engine.sequence import EngineRequest
 
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add(EngineRequest(f"b{time.monotonic_ns()}-{i}", p, sp))
-    t0 = time.perf_counter()
-    n = 0
-    while engine.has_work():
-        n += sum(1 for o in engine.step() if o.token_id is not None)
-    return time.perf_counter() - t0, n
+
+    def run() -> int:
+        n = 0
+        while engine.has_work():
+            n += sum(1 for o in engine.step() if o.token_id is not None)
+        return n
+    return _timed(run)
 
 
-def _run_hf(model, prompts: list[list[int]], new_tokens: int, batch: int) -> tuple[float, int]:
-    t0 = time.perf_counter()
+def _run_hf(model, prompts: list[list[int]], new_tokens: int, batch: int) -> Timing:
+    return _timed(lambda: _hf_generate(model, prompts, new_tokens, batch))
+
+
+def _hf_generate(model, prompts: list[list[int]], new_tokens: int, batch: int) -> int:
     n = 0
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]
@@ -49,7 +70,7 @@ def _run_hf(model, prompts: list[list[int]], new_tokens: int, batch: int) -> tup
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         n += (out.shape[1] - width) * len(chunk)
-    return time.perf_counter() - t0, n
+    return n
 
 
 def main(argv=None) -> None:
@@ -81,21 +102,24 @@ def main(argv=None) -> None:
     many = [torch.randint(100, vocab, (int(n),), generator=g).tolist()
             for n in torch.randint(16, 128, (a.concurrency,), generator=g)]
     _run_ours(engine, one, 8), _run_hf(hf, one, 8, 1)  # warm-up
-    rows = {"single_ours": [], "single_hf": [], "many_ours": [], "many_hf": []}
+    runs = {"single_ours": lambda: _run_ours(engine, one, a.new_tokens),
+            "single_hf": lambda: _run_hf(hf, one, a.new_tokens, 1),
+            "many_ours": lambda: _run_ours(engine, many, a.new_tokens),
+            "many_hf": lambda: _run_hf(hf, many, a.new_tokens, a.hf_batch)}
+    rows: dict[str, list[Timing]] = {k: [] for k in runs}
     for _ in range(a.repeats):  # interleaved, so drift hits both sides alike
-        dt, n = _run_ours(engine, one, a.new_tokens); rows["single_ours"].append(n / dt)
-        dt, n = _run_hf(hf, one, a.new_tokens, 1); rows["single_hf"].append(n / dt)
-        dt, n = _run_ours(engine, many, a.new_tokens); rows["many_ours"].append(n / dt)
-        dt, n = _run_hf(hf, many, a.new_tokens, a.hf_batch); rows["many_hf"].append(n / dt)
-    med = {k: statistics.median(v) for k, v in rows.items()}
+        for k, fn in runs.items():
+            rows[k].append(fn())
     print(f"model={model_dir} dtype={a.dtype} threads={threads} new_tokens={a.new_tokens} "
           f"repeats={a.repeats}")
-    print(f"{'case':<44}{'pdserve tok/s':>15}{'HF tok/s':>12}{'ratio':>8}")
-    print(f"{'single-stream decode':<44}{med['single_ours']:>15.1f}{med['single_hf']:>12.1f}"
-          f"{med['single_ours'] / med['single_hf']:>7.2f}x")
-    label = f"{a.concurrency} concurrent vs HF batch {a.hf_batch}"
-    print(f"{label:<44}{med['many_ours']:>15.1f}{med['many_hf']:>12.1f}"
-          f"{med['many_ours'] / med['many_hf']:>7.2f}x")
+    print(f"{'case (median tokens/s)':<40}{'clock':>6}{'pdserve':>10}{'HF':>10}{'ratio':>8}")
+    cases = (("single-stream decode", "single"),
+             (f"{a.concurrency} concurrent vs HF batch {a.hf_batch}", "many"))
+    for label, key in cases:
+        for clock in ("wall", "cpu"):
+            ours = statistics.median(t.tokens / getattr(t, clock) for t in rows[key + "_ours"])
+            ref = statistics.median(t.tokens / getattr(t, clock) for t in rows[key + "_hf"])
+            print(f"{label:<40}{clock:>6}{ours:>10.1f}{ref:>10.1f}{ours / ref:>7.2f}x")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,13 @@ def _rate_axis(ax, rows: list[dict]) -> dict:
     return {lab: i for i, lab in enumerate(labels)}
 
 
+def _log2_axis(ax, ticks: list[int]) -> None:
+    """A log2 x axis labelled with the measured values themselves (128, 256, ... not 2^7)."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+
+
 def _save(fig: Figure, out_dir: str, name: str) -> str:
     path = os.path.join(out_dir, name)
     fig.tight_layout()
@@ -71,7 +78,7 @@ def plot_latency_vs_rate(table: list[dict], out_dir: str, title: str) -> str:
     return _save(fig, out_dir, PLOT_FILES[0])
 
 
-def plot_throughput_vs_rate(table: list[dict], out_dir: str, title: str) -> str:
+def plot_throughput_vs_rate(table: list[dict], out_dir: str, title: str, output_len: int | None) -> str:
     rows = _rate_rows(table)
     fig = Figure(figsize=(6.5, 4.2))
     ax = fig.add_subplot(1, 1, 1)
@@ -80,6 +87,10 @@ def plot_throughput_vs_rate(table: list[dict], out_dir: str, title: str) -> str:
         mine = [r for r in rows if r["deployment"] == dep]
         ax.plot([xs[str(r["rate"])] for r in mine], [_num(r["output_throughput"]) for r in mine],
                 marker="o", color=COLORS.get(dep), label=f"{dep} output tok/s")
+    finite = sorted({r["rate"] for r in rows if r["rate"] != "inf"})
+    if output_len and finite:  # served below offered = saturated
+        ax.plot([xs[str(r)] for r in finite], [r * output_len for r in finite], ":", color="gray",
+                label=f"offered (rate x {output_len} tokens)")
     ax.set_ylabel("output tokens / s")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
@@ -101,7 +112,7 @@ def plot_throughput_vs_concurrency(table: list[dict], out_dir: str, title: str) 
         ax2.plot(conc, [_num(r["itl_median_ms"]) for r in mine], "--", marker="s", color=COLORS.get(dep),
                  label=f"{dep} ITL p50")
     for a in (ax, ax2):
-        a.set_xscale("log", base=2)
+        _log2_axis(a, sorted({r["max_concurrency"] for r in rows}))
         a.set_xlabel("max concurrency (requests in flight)")
         a.grid(True, which="both", alpha=0.3)
         a.legend(fontsize=8)
@@ -129,7 +140,7 @@ def plot_handoff_vs_prompt_len(lengths: list[dict], out_dir: str, title: str) ->
     ax2.set_ylabel("ms")
     ax2.set_title("TTFT and KV transfer time against prompt length", fontsize=10)
     for a in (ax, ax2):
-        a.set_xscale("log", base=2)
+        _log2_axis(a, sorted({r["prompt_len"] for r in lengths}))
         a.set_yscale("log")
         a.set_xlabel("prompt tokens")
         a.grid(True, which="both", alpha=0.3)
@@ -146,7 +157,9 @@ def write_plots(result: dict, out_dir: str) -> list[str]:
     table, lengths = result.get("table") or [], result.get("lengths") or []
     paths = []
     if _rate_rows(table):
-        paths += [plot_latency_vs_rate(table, out_dir, title), plot_throughput_vs_rate(table, out_dir, title)]
+        output_len = (result.get("config") or {}).get("output_len")
+        paths += [plot_latency_vs_rate(table, out_dir, title),
+                  plot_throughput_vs_rate(table, out_dir, title, output_len)]
     if _conc_rows(table):
         paths.append(plot_throughput_vs_concurrency(table, out_dir, title))
     if lengths:

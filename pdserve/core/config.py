@@ -47,7 +47,20 @@ class ServerConfig:
     context_length: int = _opt("max prompt + output tokens (0 = the model's)", default=0)
     num_threads: int = _opt("torch threads per worker (0 = cores / dp_size)", default=0)
     api_key: str = _opt("require this Bearer token (health stays open)", default="")
+    bootstrap_token: str = _opt("prefill: cluster token the bootstrap service requires on PUT /route and "
+                                "/register_dp_rank (also PDSERVE_BOOTSTRAP_TOKEN, which keeps it off the "
+                                "command line)", default="")
+    max_request_bytes: int = _opt("largest request body in bytes; a larger one gets 413", default=64 << 20)
+    max_concurrent_requests: int = _opt("generation requests served at once; more wait in a queue "
+                                        "(0 = no limit)", default=1024)
+    max_queued_requests: int = _opt("requests waiting for a slot; more are refused at once with 429",
+                                    default=1024)
+    queue_timeout: float = _opt("seconds a request waits for a slot before it is refused with 429",
+                                default=30.0)
     log_level: str = _opt("log level", ("debug", "info", "warning", "error"), default="info")
+    log_format: str = _opt("log lines: text (key=value) or json, one line per event", ("text", "json"),
+                           default="text")
+    instance_id: str = _opt("server instance id in logs and metrics (default: random per start)", default="")
     served_model_name: str = _opt("model name reported by /v1/models (default: model dir name)",
                                   default="")
 

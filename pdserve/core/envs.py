@@ -67,6 +67,8 @@ REGISTRY: tuple[EnvVar, ...] = (
     EnvVar("PDSERVE_HEARTBEAT_MAX_FAILURE", 2, ("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE",),
            "missed heartbeats before a prefill is declared gone"),
     EnvVar("PDSERVE_ROOM_TTL", 600.0, (), "seconds a bootstrap table entry lives"),
+    EnvVar("PDSERVE_BOOTSTRAP_TOKEN", "", (),
+           "cluster token the bootstrap service requires on PUT /route and /register_dp_rank"),
     EnvVar("PDSERVE_CACHE_DIR", "", (), "where converted models are cached (default ~/.cache/pdserve)"),
     EnvVar("PDSERVE_MOONCAKE_PROTOCOL", "tcp", (), "mooncake transfer backend protocol: tcp or rdma"),
     EnvVar("PDSERVE_MOONCAKE_DEVICE", "", (), "mooncake RDMA device name(s), e.g. mlx5_0 (empty: Mooncake picks)"),
@@ -85,6 +87,7 @@ class Envs:
     heartbeat_interval: float = 5.0
     heartbeat_max_failure: int = 2
     room_ttl: float = 600.0
+    bootstrap_token: str = ""
     cache_dir: str = ""
     mooncake_protocol: str = "tcp"
     mooncake_device: str = ""

@@ -80,6 +80,7 @@ class TokenOutput:
     input_logprobs: list[float | None] | None = None  # first output only, when asked
     error: ErrorInfo | None = None
     meta: dict = field(default_factory=dict)  # extra meta_info, e.g. handoff timings
+    timeline: dict[str, float] = field(default_factory=dict)  # worker stages: core.timeline name -> time.time()
 
 
 @dataclass

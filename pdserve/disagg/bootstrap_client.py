@@ -3,7 +3,9 @@
 Addresses are "host:port" strings (see `bootstrap_addr`). Every call has a deadline; a failure
 raises BootstrapError naming the address and the cause. Topologies and rank endpoints are
 cached per address; a topology or /health reply with a new instance_id (the prefill restarted on
-the same port) drops what was cached for that address.
+the same port) drops what was cached for that address. `get_topology(max_age_s=...)` first asks
+/health when the address has been silent for longer, so a restart is noticed before the stale
+endpoints are used.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class BootstrapClient:
         self._topologies: dict[str, Topology] = {}
         self._endpoints: dict[tuple[str, int], RankInfo] = {}
         self._instances: dict[str, str] = {}  # addr -> last instance_id seen
+        self._gone: dict[str, dict[int, str]] = {}  # addr -> dead ranks in its last /health answer
+        self._heard: dict[str, float] = {}  # addr -> when it last answered 200
 
     def close(self) -> None:
         self._http.close()
@@ -80,6 +84,8 @@ class BootstrapClient:
         if resp.status_code != 200:
             raise BootstrapError(f"bootstrap {addr}: {method} {path} answered {resp.status_code}: "
                                  f"{_error_message(resp)}", resp.status_code)
+        with self._lock:
+            self._heard[addr] = self._clock()
         try:
             return resp.json()
         except ValueError as e:
@@ -110,10 +116,18 @@ class BootstrapClient:
         self._json("POST", addr, "/register_dp_rank", timeout=self.timeout,
                    json={"bootstrap_room": room, "dp_rank": rank})
 
-    def get_topology(self, addr: str, *, deadline_s: float | None = None) -> Topology:
-        """The cached topology of `addr`, fetched (retrying on 503 until `deadline_s`) on a miss."""
+    def get_topology(self, addr: str, *, deadline_s: float | None = None,
+                     max_age_s: float | None = None) -> Topology:
+        """The cached topology of `addr`, fetched (retrying on 503 until `deadline_s`) on a miss.
+        With `max_age_s`, an address silent for longer is asked for /health first (a new instance
+        drops the cache; no answer keeps it, and using it fails on its own)."""
         with self._lock:
             cached = self._topologies.get(addr)
+            silent = self._clock() - self._heard.get(addr, float("-inf"))
+        if cached is not None and max_age_s is not None and silent > max_age_s:
+            self.health(addr, timeout=self.timeout if deadline_s is None else min(self.timeout, deadline_s))
+            with self._lock:
+                cached = self._topologies.get(addr)
         if cached is not None:
             return cached
         body = self._retrying(f"fetching the topology of {addr}", addr,
@@ -163,9 +177,19 @@ class BootstrapClient:
         instance = body.get("instance_id") if isinstance(body, dict) else None
         if not isinstance(instance, str):
             return None
+        gone = body.get("gone_ranks")
         with self._lock:
             self._note_instance(addr, instance)
+            try:
+                self._gone[addr] = {int(k): str(v) for k, v in (gone or {}).items()}
+            except (AttributeError, TypeError, ValueError):
+                self._gone[addr] = {}
         return instance
+
+    def gone_ranks(self, addr: str) -> dict[int, str]:
+        """DP ranks of `addr` whose worker died, as its last /health answer listed them."""
+        with self._lock:
+            return dict(self._gone.get(addr, {}))
 
     def invalidate(self, addr: str) -> None:
         """Forget the topology and rank endpoints cached for `addr`."""

@@ -1,8 +1,8 @@
 """The prefill's bootstrap HTTP service (DESIGN section 3) over a shared BootstrapTable.
 
 Routes: PUT /route (a DP worker registers), GET /route?prefill_dp_rank=-1|K (topology | one
-rank's endpoint; 503 until every rank registered), POST /register_dp_rank, POST /query_dp_ranks,
-GET /health. Runs on its own port inside the prefill front's event loop (`start_bootstrap_server`)
+rank's endpoint; 503 until every rank registered, or when that rank's worker is gone), POST
+/register_dp_rank, POST /query_dp_ranks, GET /health (instance_id; gone_ranks when a worker died). Runs on its own port inside the prefill front's event loop (`start_bootstrap_server`)
 or, for tests and tools, on a thread of its own (`serve_in_thread`).
 
 /query_dp_ranks answers {"<room>": rank, ...} and adds "failed": {"<room>": reason} only when a
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import threading
 from dataclasses import dataclass
 from typing import Awaitable, Callable
@@ -21,6 +20,7 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from ..core.errors import BadRequest, PDServeError, Unauthorized
+from ..core.strict_json import loads_object
 from .bootstrap_table import BootstrapTable, RankInfo
 from .dp_rules import check_room
 
@@ -61,13 +61,7 @@ def _require_token(token: str) -> Callable[[Handler], Handler]:
 
 
 async def _json_object(request: web.Request) -> dict:
-    try:
-        body = json.loads(await request.read())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise BadRequest(f"{request.path}: body is not valid JSON ({e})") from None
-    if not isinstance(body, dict):
-        raise BadRequest(f"{request.path}: body must be a JSON object")
-    return body
+    return loads_object(await request.read(), f"{request.method} {request.path}: the body")
 
 
 def make_bootstrap_app(table: BootstrapTable, *, token: str = "") -> web.Application:
@@ -109,7 +103,11 @@ def make_bootstrap_app(table: BootstrapTable, *, token: str = "") -> web.Applica
         return web.json_response(reply)
 
     async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "instance_id": table.instance_id})
+        reply: dict = {"status": "ok", "instance_id": table.instance_id}
+        gone = table.gone_ranks()
+        if gone:  # the service is up but these ranks' workers died
+            reply["gone_ranks"] = {str(rank): why for rank, why in gone.items()}
+        return web.json_response(reply)
 
     app.router.add_put("/route", auth(put_route))
     app.router.add_get("/route", get_route)

@@ -154,6 +154,7 @@ class BootstrapTable:
         self._lock = threading.Lock()
         self._rooms: OrderedDict[int, _Room] = OrderedDict()  # oldest first: expiry order
         self._ranks: dict[int, RankInfo] = {}
+        self._gone: dict[int, str] = {}  # registered ranks whose worker died: rank -> why
 
     # ---- rooms ----
     def record(self, room: int, rank: int) -> None:
@@ -230,6 +231,17 @@ class BootstrapTable:
                                          f"{peer.dp_rank} registered {name}={theirs!r}")
             self.dp_size = info.dp_size
             self._ranks[info.dp_rank] = info
+            self._gone.pop(info.dp_rank, None)
+
+    def mark_rank_gone(self, rank: int, reason: str) -> None:
+        """Rank `rank`'s worker died: rank() refuses it and /health lists it, so a decode waiting
+        for its KV fails at once instead of at its deadline."""
+        with self._lock:
+            self._gone[rank] = reason
+
+    def gone_ranks(self) -> dict[int, str]:
+        with self._lock:
+            return dict(self._gone)
 
     @property
     def ready(self) -> bool:
@@ -258,4 +270,6 @@ class BootstrapTable:
         with self._lock:
             self._require_ready()
             check_rank(k, self.dp_size, "prefill_dp_rank")
+            if k in self._gone:
+                raise Unavailable(f"prefill dp_rank {k} is gone: {self._gone[k]}")
             return self._ranks[k]

@@ -1,7 +1,9 @@
 """Decode side: watch the bootstrap /health of every prefill server with rooms in flight.
 
-A server that misses `max_failures` beats in a row, or answers with a new instance id (it
-restarted and lost our rooms), is reported through `on_gone(addr, reason)`.
+A server that misses `max_failures` beats in a row is reported through `on_gone(addr, reason)`;
+one that answers with a new instance id (it restarted and lost our rooms) through
+`on_gone(addr, reason, spare_instance=new id)`, and DP ranks whose worker died (its /health
+lists them) through `on_gone(addr, reason, ranks=...)`.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ log = logging.getLogger(__name__)
 
 class Heartbeat:
     def __init__(self, client: BootstrapClient, *, interval: float, max_failures: int,
-                 watched: Callable[[], set[str]], on_gone: Callable[[str, str], None]):
+                 watched: Callable[[], set[str]], on_gone: Callable[..., None],
+                 gone_ranks: Callable[[str], dict[int, str]] = lambda addr: {}):
         self.client = client
+        self.gone_ranks = gone_ranks  # the dead ranks in addr's last /health answer
         self.interval = interval
         self.max_failures = max(1, max_failures)
         self.watched = watched  # thread-safe snapshot of addresses with rooms in flight
@@ -64,9 +68,13 @@ class Heartbeat:
         if known and known != inst:
             self.instances[addr] = inst
             self.on_gone(addr, f"prefill server at {addr} restarted (instance {known} -> {inst}); "
-                               "its rooms are lost")
+                               "its rooms are lost", spare_instance=inst)
         elif not known:
             self.instances[addr] = inst
+        gone = self.gone_ranks(addr)
+        if gone:
+            self.on_gone(addr, "; ".join(f"prefill {addr} dp_rank {rank} is gone: {why}"
+                                         for rank, why in sorted(gone.items())), ranks=frozenset(gone))
 
     def close(self) -> None:
         self.stop_event.set()

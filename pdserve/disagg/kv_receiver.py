@@ -4,7 +4,8 @@ Life of a room: accept() -> resolve the prefill rank and endpoint (background) -
 pages (`reserve` callback, retried while the pool is full) -> send kv_req to that prefill
 worker -> its kv_done arrives after the pages landed -> poll() reports it finished. Any
 failure (resolution, send, kv_fail, heartbeat loss, deadline, abort) finishes the room with a
-reason naming room, ranks and cause; the caller then frees the room's pages. A room whose
+reason naming room, ranks and cause (and a FailureCause); the caller then frees the room's pages.
+Each room also keeps the wall-clock times of its stages (core.timeline) for the front. A room whose
 kv_req may have reached the prefill is only reported after the prefill answered our kv_abort
 (or `abort_grace` passed): until then a write of its KV could still land in those pages.
 """
@@ -15,11 +16,14 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..core.errors import PDServeError
+from ..core.failures import FailureCause
+from ..core.timeline import Stage, transfer_stages
 from ..transfer.base import TransferBackend, TransferError
 from . import wire
 from .handoff import Handoff, HandoffState, Side
@@ -43,6 +47,8 @@ class DecodeRoom:
     reserved_at: float = 0.0
     aux: dict | None = None
     abort_sent_at: float | None = None  # kv_abort sent, no answer yet: pages may still be written
+    cause: FailureCause = FailureCause.INTERNAL  # set with the first failure
+    stages: dict[str, float] = field(default_factory=dict)  # Stage value -> time.time()
 
 
 @dataclass
@@ -53,6 +59,7 @@ class DecodeDone:
     reason: str
     aux: dict | None
     meta: dict
+    stages: dict[str, float] = field(default_factory=dict)
 
 
 class DecodeReceiver:
@@ -61,12 +68,13 @@ class DecodeReceiver:
                  cancel_resolve: Callable[[str, int], None],
                  reserve: Callable[[str, int], list[int] | None], waiting_timeout: float,
                  wake: Callable[[], None] = lambda: None, threads: int = 2,
-                 abort_grace: float = 5.0):
+                 abort_grace: float = 5.0, invalidate: Callable[[str], None] = lambda addr: None):
         self.backend = backend
         self.dp_rank = dp_rank
         self.local = local  # page_size, kv_dtype, fingerprint, backend, layout, endpoint
         self.resolve = resolve
         self.cancel_resolve = cancel_resolve
+        self.invalidate = invalidate  # forget what is cached about a prefill address
         self.reserve = reserve
         self.waiting_timeout = waiting_timeout
         self.abort_grace = abort_grace  # how long an unanswered kv_abort keeps the pages
@@ -82,8 +90,12 @@ class DecodeReceiver:
         self.events.put(("resolved", r))
         self.wake()
 
-    def on_gone(self, addr: str, reason: str) -> None:
-        self.events.put(("gone", (addr, reason)))
+    def on_gone(self, addr: str, reason: str, *, ranks: frozenset[int] | None = None,
+                spare_instance: str | None = None) -> None:
+        """Fail the rooms waiting on prefill `addr`: only those resolved to `ranks` when given (their
+        workers died); with `spare_instance` (the prefill restarted) not those already resolved
+        against that live instance."""
+        self.events.put(("gone", (addr, reason, ranks, spare_instance)))
         self.wake()
 
     def watched(self) -> set[str]:
@@ -107,15 +119,17 @@ class DecodeReceiver:
             return
         if kind == wire.KV_FAIL:
             self._fail(r, f"room {r.room}: prefill {r.addr} dp_rank {msg.get('prefill_rank')} "
-                          f"failed it: {msg.get('reason')}", tell_prefill=False)
+                          f"failed it: {msg.get('reason')}", FailureCause.parse(msg.get("cause")),
+                       tell_prefill=False)
         elif r.pages is None:
             log.warning("decode dp_rank %d: kv_done for room %d before its kv_req; ignored",
-                        self.dp_rank, r.room)
+                        self.dp_rank, r.room, extra={"room": r.room})
         elif not isinstance(msg.get("first_token"), int):
             self._fail(r, f"room {r.room}: prefill {r.addr} dp_rank {msg.get('prefill_rank')} sent "
-                          f"a kv_done without first_token", tell_prefill=False)
+                          f"a kv_done without first_token", FailureCause.TRANSFER, tell_prefill=False)
         else:
             r.aux = msg
+            r.stages.update(transfer_stages(msg))
             if r.handoff.state is S.BOOTSTRAPPING:  # kv_done overtook our own "sent" event
                 r.handoff.advance(S.WAITING_FOR_INPUT)
             r.handoff.advance(S.SUCCESS)
@@ -123,7 +137,7 @@ class DecodeReceiver:
     def abort(self, room: int, reason: str) -> None:
         r = self.rooms.get(room)
         if r is not None and not r.handoff.done:
-            self._fail(r, reason)
+            self._fail(r, reason, FailureCause.ABORTED)
 
     # ---- progress (loop thread) ------------------------------------------------------------
     def poll(self, now: float | None = None) -> list[DecodeDone]:
@@ -140,7 +154,7 @@ class DecodeReceiver:
                 self._progress(r, now)
             if r.abort_sent_at is not None and now - r.abort_sent_at > self.abort_grace:
                 log.info("decode dp_rank %d: prefill %s never answered kv_abort of room %d in %gs",
-                         self.dp_rank, r.addr, r.room, self.abort_grace)
+                         self.dp_rank, r.addr, r.room, self.abort_grace, extra={"room": r.room})
                 r.abort_sent_at = None
             if r.handoff.done and r.abort_sent_at is None:
                 out.append(self._finish(r))
@@ -151,35 +165,45 @@ class DecodeReceiver:
         if r is None or r.handoff.done:
             return
         if res.error is not None:
-            self._fail(r, res.error, tell_prefill=False)
+            self._fail(r, res.error, res.cause, tell_prefill=False)
             return
         theirs = res.info.transfer_backend if res.info is not None else self.local["backend"]
         if theirs != self.local["backend"]:
             self._fail(r, f"room {r.room}: prefill {r.addr} dp_rank {res.rank} uses transfer backend "
                           f"{theirs!r}, this decode (dp_rank {self.dp_rank}) uses {self.local['backend']!r}: "
-                          "start both with the same --transfer-backend", tell_prefill=False)
+                          "start both with the same --transfer-backend", FailureCause.INCOMPATIBLE,
+                       tell_prefill=False)
             return
         r.resolved, r.resolved_at = res, time.monotonic()
+        r.stages[Stage.TOPOLOGY_LOOKUP.value] = res.topology_at
+        r.stages[Stage.RANK_RESOLUTION.value] = res.resolved_at
 
-    def _ev_sent(self, data: tuple[int, str | None]) -> None:
-        room, err = data
+    def _ev_sent(self, data: tuple[int, str | None, float]) -> None:
+        room, err, sent_at = data
         r = self.rooms.get(room)
-        if r is None or r.handoff.done:
+        if r is None:
+            return
+        r.stages[Stage.METADATA_SENT.value] = sent_at
+        if r.handoff.done:
             return
         if err is not None:
-            self._fail(r, err, tell_prefill=False)
+            self.invalidate(r.addr)  # the cached endpoint may be stale: the next room looks it up afresh
+            self._fail(r, err, FailureCause.TRANSFER, tell_prefill=False)
         elif r.handoff.state is S.BOOTSTRAPPING:
             r.handoff.advance(S.WAITING_FOR_INPUT)
 
-    def _ev_gone(self, data: tuple[str, str]) -> None:
-        addr, reason = data
+    def _ev_gone(self, data: tuple[str, str, frozenset[int] | None, str | None]) -> None:
+        addr, reason, ranks, spare_instance = data
         for r in self.rooms.values():
-            if r.addr != addr:
+            res = r.resolved
+            if r.addr != addr or (ranks is not None and (res is None or res.rank not in ranks)):
+                continue
+            if spare_instance is not None and res is not None and res.instance_id == spare_instance:
                 continue
             r.abort_sent_at = None  # a gone prefill writes nothing more
             if not r.handoff.done:
-                rank = r.resolved.rank if r.resolved else None
-                self._fail(r, f"room {r.room} (prefill dp_rank {rank}): {reason}", tell_prefill=False)
+                where = f" (prefill dp_rank {res.rank})" if res is not None else ""
+                self._fail(r, f"room {r.room}{where}: {reason}", FailureCause.PEER_GONE, tell_prefill=False)
 
     def _progress(self, r: DecodeRoom, now: float) -> None:
         st = r.handoff.state
@@ -188,16 +212,17 @@ class DecodeReceiver:
                 pages = self.reserve(r.rid, r.prompt_len)
             except PDServeError as e:
                 return self._fail(r, f"room {r.room}: decode dp_rank {self.dp_rank} cannot reserve "
-                                     f"pages: {e.message}", tell_prefill=False)
+                                     f"pages: {e.message}", FailureCause.NO_PAGES, tell_prefill=False)
             if pages is not None:
                 r.pages, r.reserved_at = pages, now
+                r.stages[Stage.PREALLOCATION.value] = time.time()
                 self.pool.submit(self._send_req, r.room, r.resolved, pages, r.prompt_len)
         waited = now - r.handoff.entered[st]
         if waited > self.waiting_timeout:
             rank = r.resolved.rank if r.resolved else None
             self._fail(r, f"room {r.room}: decode dp_rank {self.dp_rank} waited "
                           f"{self.waiting_timeout:g}s in {st.value} for prefill {r.addr} "
-                          f"dp_rank {rank} (PDSERVE_WAITING_TIMEOUT)", now=now)
+                          f"dp_rank {rank} (PDSERVE_WAITING_TIMEOUT)", FailureCause.TIMEOUT, now=now)
 
     @staticmethod
     def _peer(res: Resolved) -> dict:
@@ -209,6 +234,7 @@ class DecodeReceiver:
 
     def _send_req(self, room: int, res: Resolved, pages: list[int], prompt_len: int) -> None:
         """Runs on a pool thread; reports a "sent" event exactly once."""
+        sent_at = time.time()  # before the send: the prefill cannot see the kv_req earlier
         try:
             msg = {"t": wire.KV_REQ, "room": room, "dst_pages": pages, "prompt_len": prompt_len,
                    "decode_rank": self.dp_rank, **{k: self.local[k] for k in
@@ -217,15 +243,17 @@ class DecodeReceiver:
             err = None
         except Exception as e:  # noqa: BLE001 - any failure must still finish the room
             if not isinstance(e, (TransferError, OSError)):
-                log.exception("decode dp_rank %d: sending kv_req of room %d crashed", self.dp_rank, room)
+                log.exception("decode dp_rank %d: sending kv_req of room %d crashed", self.dp_rank, room,
+                              extra={"room": room})
             err = f"room {room}: sending metadata to prefill {res.addr} dp_rank {res.rank} failed: {e}"
-        self.events.put(("sent", (room, err)))
+        self.events.put(("sent", (room, err, sent_at)))
         self.wake()
 
-    def _fail(self, r: DecodeRoom, reason: str, tell_prefill: bool = True,
+    def _fail(self, r: DecodeRoom, reason: str, cause: FailureCause, tell_prefill: bool = True,
               now: float | None = None) -> None:
         if not r.handoff.fail(reason):
             return
+        r.cause = cause
         self.cancel_resolve(r.addr, r.room)
         if tell_prefill and r.pages is not None and r.resolved is not None and r.resolved.info:
             msg = {"t": wire.KV_ABORT, "room": r.room, "reason": reason, "decode_rank": self.dp_rank}
@@ -240,7 +268,7 @@ class DecodeReceiver:
             self.backend.send(peer, msg)
         except (TransferError, OSError) as e:
             log.info("decode dp_rank %d: could not tell prefill about room %s: %s",
-                     self.dp_rank, msg.get("room"), e)
+                     self.dp_rank, msg.get("room"), e, extra={"room": msg.get("room")})
 
     def _finish(self, r: DecodeRoom) -> DecodeDone:
         del self.rooms[r.room]
@@ -251,11 +279,13 @@ class DecodeReceiver:
             else:
                 self._addrs[r.addr] = n
         ok = r.handoff.state is S.SUCCESS
-        return DecodeDone(r.room, r.rid, ok, r.handoff.reason, r.aux, self._meta(r))
+        return DecodeDone(r.room, r.rid, ok, r.handoff.reason, r.aux, self._meta(r), dict(r.stages))
 
     def _meta(self, r: DecodeRoom) -> dict:
         h = r.handoff
         d: dict = {"bootstrap_room": r.room, "decode_dp_rank": self.dp_rank}
+        if h.state is S.FAILED:
+            d["failure_cause"] = r.cause.value
         if r.resolved is not None:
             d.update(prefill_dp_rank=r.resolved.rank, dp_rank_path=r.resolved.path,
                      resolve_s=r.resolved.seconds)
@@ -272,6 +302,13 @@ class DecodeReceiver:
 
     def inflight(self) -> int:
         return len(self.rooms)
+
+    def preallocated(self) -> int:
+        """Rooms holding reserved pages while they wait for (or just got) their KV."""
+        return sum(1 for r in self.rooms.values() if r.pages is not None)
+
+    def states(self) -> dict[str, int]:
+        return dict(Counter(r.handoff.state.value for r in self.rooms.values()))
 
     def close(self, wait: bool = False) -> None:
         """Stop the send threads; `wait` joins them."""

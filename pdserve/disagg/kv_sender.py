@@ -8,6 +8,8 @@ thread. A room's pages are returned (via poll) only once no write can still read
 the decode hears kv_fail only once no write can still land in its pages. Rooms doomed before
 their request arrives (front rejected, decode aborted, incompatible kv_req) are remembered for
 `failed_ttl`, so a late request or kv_req for them fails at once instead of timing out.
+Every failure carries a FailureCause (also sent in kv_fail); each room keeps the wall-clock
+times of its stages (core.timeline) for the front.
 """
 
 from __future__ import annotations
@@ -15,9 +17,14 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from ..core.failures import FailureCause, rejection_cause
+from ..core.log_format import fields
+from ..core.timeline import Stage, transfer_stages
 from ..transfer.base import TransferBackend, TransferError, peer_name
 from . import wire
 from .handoff import Handoff, HandoffState, Side
@@ -38,6 +45,8 @@ class PrefillRoom:
     aux: dict | None = None
     job_running: bool = False
     result: dict = field(default_factory=dict)  # bytes, timings of the write
+    cause: FailureCause = FailureCause.INTERNAL  # set with the first failure
+    stages: dict[str, float] = field(default_factory=dict)  # Stage value -> time.time()
 
 
 @dataclass
@@ -48,6 +57,15 @@ class RoomDone:
     reason: str
     aux: dict | None
     meta: dict
+    stages: dict[str, float] = field(default_factory=dict)
+
+
+class Doomed(NamedTuple):
+    """A room that cannot succeed here, remembered for `failed_ttl`."""
+
+    reason: str
+    since: float
+    cause: FailureCause
 
 
 class PrefillSender:
@@ -61,7 +79,7 @@ class PrefillSender:
         self.failed_ttl = failed_ttl
         self.rooms: dict[int, PrefillRoom] = {}
         self.early: dict[int, tuple[dict, dict, float]] = {}  # kv_req before the request
-        self.failed: dict[int, tuple[str, float]] = {}  # doomed rooms: reason, since
+        self.failed: dict[int, Doomed] = {}
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kv-send-{dp_rank}")
         self.jobs: queue.Queue = queue.Queue()
         self.done: list[RoomDone] = []
@@ -72,7 +90,7 @@ class PrefillSender:
         r = PrefillRoom(room, rid, prompt_len, Handoff(room, Side.PREFILL))
         self.rooms[room] = r
         if room in self.failed:
-            self._fail(r, self.failed[room][0])
+            self._fail(r, self.failed[room].reason, self.failed[room].cause)
         elif room in self.early:
             peer, req, _ = self.early.pop(room)
             self._attach(r, peer, req)
@@ -82,26 +100,32 @@ class PrefillSender:
         if r is None:
             return
         r.pages, r.aux = pages, aux
+        r.stages[Stage.PREFILL_DONE.value] = time.time()
         self._maybe_transfer(r)
 
-    def fail(self, room: int, reason: str) -> None:
+    def fail(self, room: int, reason: str, cause: FailureCause = FailureCause.ABORTED) -> None:
         r = self.rooms.get(room)
         if r is not None and not r.handoff.done:
-            self._fail(r, reason)
+            self._fail(r, reason, cause)
 
     def mark_failed(self, room: int, reason: str) -> None:
         """The front rejected `room`: a kv_req for it (queued or later) is answered with `reason`."""
-        self._doom(room, reason)
+        self._doom(room, reason, rejection_cause(reason))
 
-    def _doom(self, room: int, reason: str) -> None:
+    def _doom(self, room: int, reason: str, cause: FailureCause) -> None:
         """Remember that `room` cannot succeed here; tell a decode whose kv_req is queued."""
-        self.failed[room] = (reason, time.monotonic())
+        self.failed[room] = Doomed(reason, time.monotonic(), cause)
         if room in self.early:
-            peer, _, _ = self.early.pop(room)
-            self._send_later(peer, self._kv_fail(room, reason))
+            self._refuse(self.early.pop(room)[0], room, reason, cause)
 
-    def _kv_fail(self, room: int, reason: str) -> dict:
-        return {"t": wire.KV_FAIL, "room": room, "prefill_rank": self.dp_rank, "reason": reason}
+    def _refuse(self, peer: dict, room: int, reason: str, cause: FailureCause) -> None:
+        """Doom a room that has no request here and answer its decode with kv_fail."""
+        self.failed[room] = Doomed(reason, time.monotonic(), cause)
+        self._send_later(peer, self._kv_fail(room, reason, cause))
+
+    def _kv_fail(self, room: int, reason: str, cause: FailureCause) -> dict:
+        return {"t": wire.KV_FAIL, "room": room, "prefill_rank": self.dp_rank, "reason": reason,
+                "cause": cause.value}
 
     def on_message(self, sender: dict, msg: dict) -> None:
         kind, room = msg.get("t"), msg.get("room")
@@ -117,25 +141,25 @@ class PrefillSender:
     def _on_kv_req(self, room: int, msg: dict) -> None:
         peer = msg.get("endpoint")
         if not isinstance(peer, dict):
-            log.warning("prefill dp_rank %d: kv_req for room %d without an endpoint", self.dp_rank, room)
+            log.warning("prefill dp_rank %d: kv_req for room %d without an endpoint", self.dp_rank, room,
+                        extra={"room": room})
             return
         r = self.rooms.get(room)
         if r is not None and r.handoff.state is not S.BOOTSTRAPPING:
             return  # a duplicate: this room already has its decode (or failed)
-        problem = wire.compat_problem(self.local, msg)
+        problem, cause = wire.compat_problem(self.local, msg), FailureCause.INCOMPATIBLE
         if problem is not None:
             problem = (f"room {room}: decode dp_rank {msg.get('decode_rank')} cannot use prefill "
                        f"dp_rank {self.dp_rank}: {problem}")
         elif room in self.failed:
-            problem = self.failed[room][0]
+            problem, _, cause = self.failed[room]
         if problem is not None:
             if r is None:
                 self.early.pop(room, None)
-                self.failed[room] = (problem, time.monotonic())
-                self._send_later(peer, self._kv_fail(room, problem))
+                self._refuse(peer, room, problem, cause)
             else:
                 r.peer = peer
-                self._fail(r, problem)
+                self._fail(r, problem, cause)
             return
         if r is None:
             self.early[room] = (peer, msg, time.monotonic())
@@ -151,14 +175,13 @@ class PrefillSender:
         if r is None:
             peer = self.early[room][0] if room in self.early else sender
             self.early.pop(room, None)
-            self.failed[room] = (reason, time.monotonic())
-            self._send_later(peer, self._kv_fail(room, reason))
+            self._refuse(peer, room, reason, FailureCause.ABORTED)
         elif not r.handoff.done:
             if r.peer is None:
                 r.peer = sender
-            self._fail(r, reason)
+            self._fail(r, reason, FailureCause.ABORTED)
         elif not r.job_running:  # finished, not yet reported: answer again
-            self._send_later(r.peer or sender, self._kv_fail(room, r.handoff.reason or reason))
+            self._send_later(r.peer or sender, self._kv_fail(room, r.handoff.reason or reason, r.cause))
 
     # ---- progress ----------------------------------------------------------------------------
     def _attach(self, r: PrefillRoom, peer: dict, req: dict) -> None:
@@ -168,9 +191,10 @@ class PrefillSender:
                       f"{req.get('prompt_len')} tokens, prefill has {r.prompt_len} tokens "
                       f"({need} pages): the two legs got different prompts")
             r.peer = peer
-            self._fail(r, reason)
+            self._fail(r, reason, FailureCause.INCOMPATIBLE)
             return
         r.peer, r.req = peer, req
+        r.stages[Stage.METADATA_RECEIVED.value] = time.time()
         r.handoff.advance(S.WAITING_FOR_INPUT)
         self._maybe_transfer(r)
 
@@ -188,12 +212,14 @@ class PrefillSender:
             res = self.backend.write_pages(peer, req["layout"], pages[:len(dst)], dst)
             info = {"bytes": res.bytes, "transfer_s": res.seconds, "started_at": res.started_at,
                     "finished_at": res.finished_at, "writes": res.num_writes}
+            log.debug("kv write", extra=fields(room=room, **info))
             self.backend.send(peer, {"t": wire.KV_DONE, "room": room, "prefill_rank": self.dp_rank,
                                      **aux, **info})
             self.jobs.put((room, None, info))
         except Exception as e:  # noqa: BLE001 - any failure must still finish the room
             if not isinstance(e, (TransferError, OSError)):
-                log.exception("prefill dp_rank %d: KV transfer job of room %d crashed", self.dp_rank, room)
+                log.exception("prefill dp_rank %d: KV transfer job of room %d crashed", self.dp_rank, room,
+                              extra={"room": room})
             self.jobs.put((room, f"room {room}: KV transfer from prefill dp_rank {self.dp_rank} to "
                                  f"decode {peer_name(peer)} failed: {e}", {}))
         self.wake()
@@ -204,20 +230,23 @@ class PrefillSender:
                 self.backend.send(peer, msg)
             except (TransferError, OSError) as e:
                 log.info("prefill dp_rank %d: could not tell %s about room %s: %s", self.dp_rank,
-                         peer_name(peer), msg.get("room"), e)
+                         peer_name(peer), msg.get("room"), e, extra={"room": msg.get("room")})
         try:
             self.pool.submit(job)
         except RuntimeError:  # closed
-            log.info("prefill dp_rank %d closed: room %s not told", self.dp_rank, msg.get("room"))
+            log.info("prefill dp_rank %d closed: room %s not told", self.dp_rank, msg.get("room"),
+                     extra={"room": msg.get("room")})
 
-    def _fail(self, r: PrefillRoom, reason: str) -> None:
-        if r.handoff.fail(reason) and not r.job_running:
-            self._tell_failed(r)
+    def _fail(self, r: PrefillRoom, reason: str, cause: FailureCause) -> None:
+        if r.handoff.fail(reason):
+            r.cause = cause
+            if not r.job_running:
+                self._tell_failed(r)
         # a running write job keeps the pages, and the decode is told when it returns
 
     def _tell_failed(self, r: PrefillRoom) -> None:
         if r.peer is not None:
-            self._send_later(r.peer, self._kv_fail(r.room, r.handoff.reason))
+            self._send_later(r.peer, self._kv_fail(r.room, r.handoff.reason, r.cause))
 
     def _job_returned(self, r: PrefillRoom, err: str | None, info: dict) -> None:
         r.job_running = False
@@ -226,7 +255,8 @@ class PrefillSender:
             if not r.handoff.done:
                 r.handoff.advance(S.SUCCESS)
             return  # its kv_done went out: the decode has its answer even if we failed meanwhile
-        r.handoff.fail(err)  # keeps an earlier reason (abort, timeout)
+        if r.handoff.fail(err):  # else keeps an earlier reason (abort, timeout)
+            r.cause = FailureCause.TRANSFER
         self._tell_failed(r)
 
     def poll(self, now: float | None = None) -> list[RoomDone]:
@@ -243,13 +273,14 @@ class PrefillSender:
             if not r.handoff.done and now - r.handoff.created > self.bootstrap_timeout:
                 self._fail(r, f"room {r.room}: prefill dp_rank {self.dp_rank} waited "
                               f"{self.bootstrap_timeout:g}s for {self._waiting_for(r)} "
-                              f"(PDSERVE_BOOTSTRAP_TIMEOUT)")
+                              f"(PDSERVE_BOOTSTRAP_TIMEOUT)", FailureCause.TIMEOUT)
             if r.handoff.done and not r.job_running:
                 del self.rooms[r.room]
                 if r.handoff.state is S.FAILED:  # a late kv_req for it is answered at once
-                    self.failed[r.room] = (r.handoff.reason, time.monotonic())
+                    self.failed[r.room] = Doomed(r.handoff.reason, time.monotonic(), r.cause)
                 self.done.append(RoomDone(r.room, r.rid, r.handoff.state is S.SUCCESS,
-                                          r.handoff.reason, r.aux, self._meta(r)))
+                                          r.handoff.reason, r.aux, self._meta(r),
+                                          {**r.stages, **transfer_stages(r.result)}))
         self._expire(now)
         out, self.done = self.done, []
         return out
@@ -263,6 +294,10 @@ class PrefillSender:
     def _meta(self, r: PrefillRoom) -> dict:
         d = {f"prefill_{k}_s": v for k, v in r.handoff.durations().items()}
         d.update({"bootstrap_room": r.room, "prefill_dp_rank": self.dp_rank})
+        if r.req is not None and r.req.get("decode_rank") is not None:
+            d["decode_dp_rank"] = r.req["decode_rank"]
+        if r.handoff.state is S.FAILED:
+            d["failure_cause"] = r.cause.value
         if r.result:
             d["kv_bytes"] = r.result["bytes"]
             d["kv_transfer_s"] = r.result["transfer_s"]
@@ -274,13 +309,21 @@ class PrefillSender:
         for room, (_, _, t) in list(self.early.items()):
             if now - t > self.bootstrap_timeout:
                 self._doom(room, f"room {room}: prefill dp_rank {self.dp_rank} never received its "
-                                 f"request within {self.bootstrap_timeout:g}s (PDSERVE_BOOTSTRAP_TIMEOUT)")
-        for room, (_, t) in list(self.failed.items()):
-            if now - t > self.failed_ttl:
+                                 f"request within {self.bootstrap_timeout:g}s (PDSERVE_BOOTSTRAP_TIMEOUT)",
+                           FailureCause.TIMEOUT)
+        for room, doomed in list(self.failed.items()):
+            if now - doomed.since > self.failed_ttl:
                 del self.failed[room]
 
     def inflight(self) -> int:
         return len(self.rooms)
+
+    def holding(self) -> int:
+        """Rooms whose prefilled KV pages are held for their decode."""
+        return sum(1 for r in self.rooms.values() if r.pages is not None)
+
+    def states(self) -> dict[str, int]:
+        return dict(Counter(r.handoff.state.value for r in self.rooms.values()))
 
     def close(self, wait: bool = False) -> None:
         """Stop the job threads; `wait` joins them (a write in progress finishes first)."""

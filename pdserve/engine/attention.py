@@ -1,12 +1,18 @@
 """Paged attention for a mixed batch of sequences, on any torch device.
 
-The runner builds one `AttnBatch` per step and every layer reuses it: new tokens' K/V are
-written to their slots, then each sequence's whole K/V (cached prefix + new) is gathered by
-slot into a padded [B, L] layout and attended with a causal mask through SDPA.
+The runner builds one `AttnBatch` per step and every layer reuses it. New tokens' K/V are
+written to their slots first; then:
+- decode (one new token per sequence): every sequence's K/V is gathered by slot into a
+  padded [B, L] layout and attended in one batched call (see `_decode_attention`);
+- otherwise (prefill chunks; any mix): one SDPA call per sequence. A sequence with no cached
+  prefix attends to its own new K/V with `is_causal` (no gather, no mask); one with a prefix
+  gathers its slots and uses a causal mask offset by the prefix. Per sequence, nothing is
+  padded and SDPA skips the masked upper triangle.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -14,15 +20,36 @@ import torch.nn.functional as F
 
 from .kv_pool import KVPool
 
+REDUCED_PRECISION = (torch.bfloat16, torch.float16)
+GEMM_DECODE_MIN_BATCH = 8  # below this, SDPA's per-call cost is lower than the matmul path's
+
+
+class AttnShape(enum.Enum):
+    DECODE = "decode"
+    PER_SEQUENCE = "per_sequence"
+
+
+@dataclass
+class SeqSpan:
+    """One sequence of a PER_SEQUENCE step: its new tokens are flat rows [start, start + new)."""
+
+    start: int
+    new: int
+    slots: torch.Tensor | None  # [L] slots of its whole KV; None when it has no cached prefix
+    mask: torch.Tensor | None  # [new, L] bool causal mask offset by the prefix (with slots)
+
 
 @dataclass
 class AttnBatch:
+    shape: AttnShape
     write_slots: torch.Tensor  # [T] slot of each new token, in flat token order
-    gather_slots: torch.Tensor  # [B, L] slots of each sequence's full KV, padded with 0
-    q_index: torch.Tensor  # [B, Tq] flat token index of each padded query position (pad -> 0)
-    q_unpad: torch.Tensor  # [T] position of each flat token in the flattened [B*Tq] layout
-    mask: torch.Tensor | None  # [B, 1, Tq, L] bool, True = attend; None when every row sees all
-    # (single-token decode with equal lengths)
+    gather_slots: torch.Tensor | None = None  # DECODE: [B, L] slots of each sequence, pad 0
+    mask: torch.Tensor | None = None  # DECODE: [B, L] bool, True = real key; None if all equal
+    key_bias: torch.Tensor | None = None  # DECODE: the mask as float32 0 / -inf, [B, 1, 1, L]
+    spans: list[SeqSpan] | None = None  # PER_SEQUENCE
+    # DECODE scratch of the matmul path, made by the first layer and reused by the others:
+    # [B, Hkv, G, L, Hkv] probabilities, zero off the diagonal (never written there)
+    spread: torch.Tensor | None = None
 
     @staticmethod
     def build(seq_lens: list[int], new_lens: list[int], page_rows: list[list[int]],
@@ -31,52 +58,88 @@ class AttnBatch:
         this step (the last new_lens[i] of its seq_lens[i]); page_rows[i]: its pages in order."""
         B = len(seq_lens)
         L = max(seq_lens)
-        Tq = max(new_lens)
-        max_pages = max(len(r) for r in page_rows)
-        table = torch.tensor([r + [0] * (max_pages - len(r)) for r in page_rows], dtype=torch.long)
+        max_pages = -(-L // page_size)
+        rows = [r[:max_pages] for r in page_rows]
+        table = torch.tensor([r + [0] * (max_pages - len(r)) for r in rows], dtype=torch.long)
         slots = (table.unsqueeze(-1) * page_size + torch.arange(page_size)).view(B, -1)[:, :L]
-        seq = torch.tensor(seq_lens, dtype=torch.long)
-        new = torch.tensor(new_lens, dtype=torch.long)
-        if Tq == 1 and int(new.min()) == 1:
-            # pure decode: one query per sequence, written at position seq_len - 1
+        if max(new_lens) == 1:
+            seq = torch.tensor(seq_lens, dtype=torch.long)
             write = slots.gather(1, (seq - 1).view(B, 1)).view(B)
-            q_index = torch.arange(B).view(B, 1)
-            q_unpad = torch.arange(B)
-        else:
-            j = torch.arange(Tq).view(1, Tq)
-            valid = j < new.view(B, 1)
-            pos = (seq - new).view(B, 1) + j
-            write = slots.gather(1, pos.clamp(max=L - 1))[valid]
-            starts = torch.cumsum(new, 0) - new
-            q_index = torch.where(valid, starts.view(B, 1) + j, 0)
-            q_unpad = (torch.arange(B).view(B, 1) * Tq + j)[valid]
-        mask = None
-        if not (Tq == 1 and int(seq.min()) == L):
-            qpos = (seq - new).view(B, 1, 1) + torch.arange(Tq).view(1, Tq, 1)
-            kpos = torch.arange(L).view(1, 1, L)
-            mask = ((kpos <= qpos) & (kpos < seq.view(B, 1, 1))).unsqueeze(1).to(device)
-        return AttnBatch(
-            write_slots=write.to(device),
-            gather_slots=slots.contiguous().to(device),
-            q_index=q_index.to(device),
-            q_unpad=q_unpad.to(device),
-            mask=mask,
-        )
+            mask = bias = None
+            if min(seq_lens) != L:
+                mask = (torch.arange(L).view(1, L) < seq.view(B, 1)).to(device)
+                bias = torch.zeros(B, 1, 1, L, device=device).masked_fill_(~mask.view(B, 1, 1, L),
+                                                                            float("-inf"))
+            return AttnBatch(AttnShape.DECODE, write.to(device),
+                             gather_slots=slots.contiguous().to(device), mask=mask, key_bias=bias)
+        spans, writes, start = [], [], 0
+        for i, (n, new) in enumerate(zip(seq_lens, new_lens)):
+            writes.append(slots[i, n - new:n])
+            span = SeqSpan(start, new, None, None)
+            if new < n:
+                kpos = torch.arange(n).view(1, n)
+                qpos = torch.arange(n - new, n).view(new, 1)
+                span.slots = slots[i, :n].contiguous().to(device)
+                span.mask = (kpos <= qpos).to(device)
+            spans.append(span)
+            start += new
+        return AttnBatch(AttnShape.PER_SEQUENCE, torch.cat(writes).to(device), spans=spans)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                     batch: AttnBatch, pool: KVPool) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens -> attention output [T, Hq*D]."""
-    T, Hq, D = q.shape
     pool.write(layer, batch.write_slots, k.to(pool.dtype), v.to(pool.dtype))
-    B, L = batch.gather_slots.shape
-    Tq = batch.q_index.shape[1]
-    flat = batch.gather_slots.reshape(-1)
-    kk = pool.k(layer).index_select(0, flat).view(B, L, -1, D).transpose(1, 2)
-    vv = pool.v(layer).index_select(0, flat).view(B, L, -1, D).transpose(1, 2)
-    qq = q.index_select(0, batch.q_index.reshape(-1)).view(B, Tq, Hq, D).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        qq, kk.to(q.dtype), vv.to(q.dtype), attn_mask=batch.mask,
-        enable_gqa=kk.shape[1] != Hq)
-    out = out.transpose(1, 2).reshape(B * Tq, Hq * D)
-    return out.index_select(0, batch.q_unpad)
+    if batch.shape is AttnShape.DECODE:
+        B, L = batch.gather_slots.shape
+        flat = batch.gather_slots.view(-1)
+        kk = pool.k(layer).index_select(0, flat).view(B, L, k.shape[1], k.shape[2]).to(q.dtype)
+        vv = pool.v(layer).index_select(0, flat).view(B, L, k.shape[1], k.shape[2]).to(q.dtype)
+        return _decode_attention(q, kk, vv, batch)
+    return torch.cat([_sequence_attention(q, k, v, span, layer, pool) for span in batch.spans])
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      batch: AttnBatch) -> torch.Tensor:
+    """q [B, Hq, D]; k, v [B, L, Hkv, D] -> [B, Hq*D]. Query head h reads KV head h // G."""
+    B, Hq, D = q.shape
+    L, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    if q.device.type != "cpu" or q.dtype not in REDUCED_PRECISION or B < GEMM_DECODE_MIN_BATCH:
+        # the query heads sharing a KV head become its query rows: one SDPA call, no repeat
+        mask = None if batch.mask is None else batch.mask.view(B, 1, 1, L)
+        out = F.scaled_dot_product_attention(q.view(B, Hkv, G, D), k.transpose(1, 2),
+                                             v.transpose(1, 2), attn_mask=mask)
+        return out.reshape(B, Hq * D)
+    # bf16/fp16 on CPU: SDPA's kernel spends its time on B*Hkv tiny products. Instead one matmul
+    # per sequence against all its keys ([L*Hkv, D], contiguous as gathered) computes every
+    # (query head, KV head) pair, and only each head's own KV head (the diagonal) is kept.
+    # Scores round to q's dtype as in HF's eager attention; softmax runs in float32.
+    scores = torch.matmul(q, k.view(B, L * Hkv, D).transpose(1, 2)).view(B, Hkv, G, L, Hkv)
+    own = scores.diagonal(dim1=1, dim2=4).permute(0, 3, 1, 2)  # [B, Hkv, G, L]
+    own = own.float().mul_(D ** -0.5) if batch.key_bias is None else \
+        torch.add(batch.key_bias, own, alpha=D ** -0.5)
+    if batch.spread is None or batch.spread.dtype != q.dtype:
+        batch.spread = q.new_zeros(B, Hkv, G, L, Hkv)
+    batch.spread.diagonal(dim1=1, dim2=4).permute(0, 3, 1, 2).copy_(torch.softmax(own, dim=-1))
+    return torch.matmul(batch.spread.view(B, Hq, L * Hkv), v.view(B, L * Hkv, D)).view(B, Hq * D)
+
+
+def _sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: SeqSpan,
+                        layer: int, pool: KVPool) -> torch.Tensor:
+    """Attention of one sequence's new tokens (flat rows of q/k/v) -> [new, Hq*D]."""
+    rows = slice(span.start, span.start + span.new)
+    # 4-D [1, H, T, D]: with 3-D inputs and enable_gqa, CPU SDPA falls back to its slow math path
+    qq = q[rows].transpose(0, 1).unsqueeze(0)
+    gqa = q.shape[1] != k.shape[1]
+    if span.slots is None:
+        kk, vv = k[rows], v[rows]
+        mask = None
+    else:
+        kk = pool.k(layer).index_select(0, span.slots).to(q.dtype)
+        vv = pool.v(layer).index_select(0, span.slots).to(q.dtype)
+        mask = span.mask
+    out = F.scaled_dot_product_attention(qq, kk.transpose(0, 1).unsqueeze(0),
+                                         vv.transpose(0, 1).unsqueeze(0), attn_mask=mask,
+                                         is_causal=mask is None, enable_gqa=gqa)
+    return out[0].transpose(0, 1).reshape(span.new, -1)

@@ -3,7 +3,9 @@
 A step is either a prefill step (waiting sequences, chunked to a token budget) or a decode
 step (every running sequence adds one token). Prefill goes first so new prompts join soon;
 when a decode step runs out of pages the newest running sequence is preempted (pages freed,
-recomputed later from its tokens).
+recomputed later from its tokens). A prompt part-way through its prefill holds pages too; when
+the head of the queue cannot grow, the partial prefills queued behind it give theirs back, so
+the queue never stalls (every request fits the pool alone, see Engine.validate).
 """
 
 from __future__ import annotations
@@ -61,12 +63,28 @@ class Scheduler:
             if budget <= 0 or active + len(seqs) >= self.max_running:
                 break
             chunk = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._grow(seq, seq.num_computed + chunk):
+            grown = self._grow(seq, seq.num_computed + chunk)
+            if not grown and not seqs and self._reclaim_behind(seq, seq.num_computed + chunk):
+                grown = self._grow(seq, seq.num_computed + chunk)
+            if not grown:
                 break
             seqs.append(seq)
             lens.append(chunk)
             budget -= chunk
         return Batch(StepKind.PREFILL, seqs, lens) if seqs else None
+
+    def _reclaim_behind(self, head: Sequence, num_tokens: int) -> bool:
+        """Free enough pages for `head` to hold num_tokens by taking them from partial prefills
+        queued behind it, newest first (they restart their prefill later). True on success."""
+        need = self.pages_for(num_tokens) - len(head.pages)
+        for seq in reversed(self.waiting):
+            if seq is head or self.allocator.free_count >= need:
+                break
+            if seq.pages:
+                self.allocator.free(seq.pages)
+                seq.pages = []
+                seq.num_computed = 0
+        return self.allocator.free_count >= need
 
     def _schedule_decode(self) -> Batch | None:
         while self.running:

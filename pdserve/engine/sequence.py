@@ -61,5 +61,9 @@ class Sequence:
         return self.req.prompt_ids[i] if i < n else self.output_ids[i - n]
 
     def tokens(self, start: int, end: int) -> list[int]:
-        return (self.req.prompt_ids + self.output_ids)[start:end] if end > len(self.req.prompt_ids) \
-            else self.req.prompt_ids[start:end]
+        n = len(self.req.prompt_ids)
+        if end <= n:
+            return self.req.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.req.prompt_ids[start:] + self.output_ids[:end - n]

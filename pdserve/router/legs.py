@@ -100,30 +100,28 @@ class LegClient:
     def __init__(self, metrics: RouterMetrics, headers: dict[str, str]):
         self._session: aiohttp.ClientSession | None = None
         self._metrics, self._headers = metrics, headers
-        self._per_upstream: dict[str, tuple] = {}  # url -> (inflight gauge, latency histogram) children
+        self._per_upstream: dict = {}  # url -> its latency histogram child
 
     def use_session(self, session: aiohttp.ClientSession) -> None:
         self._session = session
 
-    def _children(self, up: Upstream) -> tuple:
-        children = self._per_upstream.get(up.url)
-        if children is None:  # labels() costs microseconds; resolve once per upstream
+    def _latency(self, up: Upstream):
+        latency = self._per_upstream.get(up.url)
+        if latency is None:  # labels() costs microseconds; resolve once per upstream
             labels = (up.role.value, up.url)
-            children = (self._metrics.upstream_inflight.labels(*labels),
-                        self._metrics.upstream_latency.labels(*labels))
-            self._per_upstream[up.url] = children
-        return children
+            latency = self._metrics.upstream_latency.labels(*labels)
+            # the in-flight gauge reads up.inflight when scraped: nothing to update per leg
+            self._metrics.upstream_inflight.labels(*labels).set_function(lambda: up.inflight)
+            self._per_upstream[up.url] = latency
+        return latency
 
     def _started(self, up: Upstream) -> float:
         up.inflight += 1
-        self._children(up)[0].inc()
         return time.perf_counter()
 
     def _finished(self, up: Upstream, t0: float) -> None:
         up.inflight -= 1
-        inflight, latency = self._children(up)
-        inflight.dec()
-        latency.observe(time.perf_counter() - t0)
+        self._latency(up).observe(time.perf_counter() - t0)
 
     async def _post(self, up: Upstream, path: str, data: bytes, auth: str | None) -> aiohttp.ClientResponse:
         headers = self._headers if auth is None else {**self._headers, "Authorization": auth}

@@ -1,8 +1,13 @@
-"""Prometheus metrics of one router instance (its own registry; labels never hold room ids)."""
+"""Prometheus metrics of one router instance (its own registry; labels never hold room ids;
+`server` is an upstream URL from the router's configuration, so the label set stays bounded).
+docs/observability.md lists every series."""
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
+
+disable_created_metrics()  # no `_created` series: Prometheus derives resets itself
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300,
                     600, 1800)

@@ -45,11 +45,16 @@ def decode(raw: bytes) -> Any:
     return _decoder.decode(raw)
 
 
+MAX_SAMPLES = 64  # the servers' own limit on n; rooms are minted per sample, so it must be checked here
+
+
 def _positive_int(value: Any, name: str) -> int:
     if value is None:
         return 1
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise BadRequest(f"{name} must be a positive integer, got {value!r}")
+    if value > MAX_SAMPLES:
+        raise BadRequest(f"{name}={value} is over the limit of {MAX_SAMPLES} samples per prompt")
     return value
 
 

@@ -19,7 +19,7 @@ from typing import Callable
 
 from aiohttp import web
 
-from pdserve.core.errors import Timeout
+from pdserve.core.errors import Timeout, Unavailable
 
 from .config import RouterConfig
 from .legs import LegClient, LegError, OpenStream, cancel_task, consume
@@ -80,11 +80,19 @@ class PDExchange:
     async def run(self) -> web.StreamResponse:
         cfg = self.p.cfg
         avoid: set[str] = set()
+        last: LegError | None = None
         try:
             async with asyncio.timeout(cfg.request_timeout_secs) as self._timeout:
                 self._deadline = asyncio.get_running_loop().time() + cfg.request_timeout_secs
                 for attempt in range(1, cfg.max_tries + 1):
-                    pair = self.p.pool.pick_pair(frozenset(avoid))
+                    try:
+                        pair = self.p.pool.pick_pair(frozenset(avoid))
+                    except Unavailable as exc:
+                        if last is None:
+                            raise
+                        # the failed server just left selection: its error is the cause, not this
+                        return error_response(last.status, f"{last.message} ({self.where}; no retry: "
+                                              f"{exc.message})", last.type)
                     try:
                         return await self._try_pair(pair)
                     except LegError as err:
@@ -96,6 +104,7 @@ class PDExchange:
                             return error_response(err.status, f"{err.message} ({self.where}; gave up after "
                                                   f"{attempt} tries)", err.type)
                         self.p.metrics.retries.labels("connection").inc()
+                        last = err
         except TimeoutError:
             message = f"request timed out after {cfg.request_timeout_secs:g}s ({self.where})"
             if self.response is None:

@@ -19,8 +19,10 @@ from starlette.responses import JSONResponse, Response
 from ..core.errors import BadRequest, NotFound, PDServeError, Unavailable
 from .front import Front, error_from
 from .generation import ActiveRequest
+from .http_metrics import HTTPMetricsMiddleware
 from .http_utils import (SSE_DONE, ApiKeyMiddleware, ClientGone, SSEResponse, error_response, json_body,
                          sse, until_disconnect)
+from .limits import BodyLimit
 from .native_api import NativeCall, item_reply, parse_generate
 from .openai_api import OpenAIReply
 from .openai_protocol import parse_chat, parse_completion
@@ -56,7 +58,7 @@ async def native_events(front: Front, call: NativeCall, active: ActiveRequest) -
         if prog.error:
             raise error_from(prog.error)
         yield sse(item_reply(prog, front.tokenizer, call.text_in_logprobs,
-                             prog.item.index if call.batched else None))
+                             prog.item.index if call.batched else None, call.return_timeline))
 
 
 async def openai_events(reply: OpenAIReply, active: ActiveRequest) -> AsyncIterator[bytes]:
@@ -71,22 +73,39 @@ async def openai_events(reply: OpenAIReply, active: ActiveRequest) -> AsyncItera
         yield sse(usage)
 
 
-async def _finish(request: Request, active: ActiveRequest, stream_events, build_reply) -> Response:
+async def _start(front: Front, items) -> tuple[ActiveRequest, Callable[[], None]]:
+    """Admit the request (a slot, or 429 when the server is full), then send its items to the
+    workers; the returned close() aborts what is unfinished and frees the slot."""
+    gen = front.generator
+    slot = await front.admit(items)
+    try:
+        active = gen.start(items)
+    except BaseException:
+        slot.release()
+        raise
+
+    def close() -> None:
+        active.close()
+        slot.release()
+    return active, close
+
+
+async def _finish(request: Request, active: ActiveRequest, close: Callable[[], None], stream_events,
+                  build_reply) -> Response:
     """Stream (SSE) or collect-then-reply; the workers are aborted if the client leaves."""
     if stream_events is not None:
-        return SSEResponse(_guarded(stream_events), active.close)
+        return SSEResponse(_guarded(stream_events), close)
     try:
         progs = await until_disconnect(request, collect(active))
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
     finally:
-        active.close()
+        close()
     return JSONResponse(build_reply(progs))
 
 
 def _install_error_handlers(app: FastAPI, front: Front) -> None:
     async def on_pdserve_error(request: Request, exc: PDServeError):
-        front.metrics.error(exc.status)
         if exc.status >= 500:
             log.error("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
         return error_response(exc)
@@ -102,7 +121,6 @@ def _install_error_handlers(app: FastAPI, front: Front) -> None:
 
     async def on_any_error(request: Request, exc: Exception):
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        front.metrics.error(500)
         return error_response(PDServeError(f"internal error: {type(exc).__name__}: {exc}"))
 
     app.add_exception_handler(PDServeError, on_pdserve_error)
@@ -125,7 +143,8 @@ def build_app(front: Front, should_abort: Callable[[], bool] | None = None) -> F
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.front = front
     _install_error_handlers(app, front)
-    if front.cfg.api_key:
+    app.add_middleware(BodyLimit, max_bytes=front.cfg.max_request_bytes, error_response=error_response)
+    if front.cfg.api_key:  # outside the body limit: a stranger gets 401 whatever the size
         app.add_middleware(ApiKeyMiddleware, api_key=front.cfg.api_key)
     tok = front.tokenizer
 
@@ -159,28 +178,26 @@ def build_app(front: Front, should_abort: Callable[[], bool] | None = None) -> F
 
     @app.get("/metrics")
     async def metrics():
-        return Response(front.metrics.render(), media_type=front.metrics.content_type)
+        return Response(await front.metrics_text(), media_type=front.metrics.content_type)
 
     @app.post("/generate")
     async def generate(request: Request):
-        front.metrics.request("generate")
         call = parse_generate(await json_body(request), tok)
-        active = front.generator.start(call.items)
+        active, close = await _start(front, call.items)
         events = native_events(front, call, active) if call.stream else None
 
         def reply(progs):
-            out = [item_reply(p, tok, call.text_in_logprobs) for p in progs]
+            out = [item_reply(p, tok, call.text_in_logprobs, timeline=call.return_timeline) for p in progs]
             return out if call.batched else out[0]
-        return await _finish(request, active, events, reply)
+        return await _finish(request, active, close, events, reply)
 
     async def openai_route(request: Request, chat: bool):
-        front.metrics.request("chat" if chat else "completions")
         body = await json_body(request)
         call = (parse_chat if chat else parse_completion)(body, tok)
         reply = OpenAIReply(call, tok, call.model or front.model_name, chat)
-        active = front.generator.start(call.items)
+        active, close = await _start(front, call.items)
         events = openai_events(reply, active) if call.stream else None
-        return await _finish(request, active, events, reply.full)
+        return await _finish(request, active, close, events, reply.full)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -190,4 +207,6 @@ def build_app(front: Front, should_abort: Callable[[], bool] | None = None) -> F
     async def chat_completions(request: Request):
         return await openai_route(request, chat=True)
 
+    app.add_middleware(HTTPMetricsMiddleware, count=front.metrics.http_request,  # outermost: sees every status
+                       paths=frozenset(r.path for r in app.routes))
     return app

@@ -12,15 +12,18 @@ import asyncio
 import logging
 import os
 import uuid
+from dataclasses import replace
 from typing import Callable
 
 from .. import __version__
 from ..core.config import ServerConfig
 from ..core.errors import PDServeError, Unavailable
+from ..core.log_format import new_instance_id
 from ..core.messages import WorkerReady
 from ..core.sampling import SamplingParams
 from .dispatcher import DPDispatcher
 from .generation import Generator, Limits
+from .limits import Admission, AdmissionLimits, Slot
 from .metrics import FrontMetrics
 from .protocol import RequestItem
 from .roles import Dispatch, FrontRole, RoleContext, make_role
@@ -29,19 +32,22 @@ from .worker_cmd import DEFAULT_WORKER_MODULE
 from .worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)
+METRICS_STATS_TIMEOUT_S = 2.0
 
 
 class Front:
     def __init__(self, cfg: ServerConfig, model_dir: str, worker_module: str = DEFAULT_WORKER_MODULE,
                  role: FrontRole | None = None, start_timeout_s: float = 600.0,
                  stats_timeout_s: float = 10.0, health_timeout_s: float = 30.0):
+        cfg = replace(cfg, instance_id=cfg.instance_id or new_instance_id())  # workers log it too
         self.cfg = cfg
         self.model_dir = os.path.abspath(model_dir)
         self.tokenizer = ServerTokenizer.from_dir(self.model_dir)
         self.role = role or make_role(cfg)
         self.dispatcher = DPDispatcher(cfg.dp_size, self.role.lb_method())
         self.pool = WorkerPool(cfg, self.model_dir, worker_module, start_timeout_s)
-        self.metrics = FrontMetrics(self.role.role.value)
+        self.admission = Admission(AdmissionLimits.from_config(cfg))
+        self.metrics = FrontMetrics(self.role.role.value, cfg.instance_id, __version__)
         self.stats_timeout_s = stats_timeout_s
         self.health_timeout_s = health_timeout_s
         self.ready: list[WorkerReady] = []
@@ -68,6 +74,7 @@ class Front:
         self._generator = Generator(self.pool, self.dispatcher, self.role, self.tokenizer, limits,
                                     self.metrics)
         await self.role.start(RoleContext(list(self.ready), self.pool.send))
+        self.pool.on_dead.append(self._worker_gone)
         log.info("front ready: role=%s dp_size=%d method=%s context=%d vocab=%d", self.role.role.value,
                  self.cfg.dp_size, self.dispatcher.method.value, limits.max_context, vocab)
 
@@ -80,6 +87,22 @@ class Front:
             except Exception:
                 log.exception("role stop failed")
         await self.pool.stop()
+
+    async def admit(self, items: list[RequestItem]) -> Slot:
+        """A slot for one generation request (waits in the queue); a refusal (429) fails its PD
+        rooms at once, like any other refused request."""
+        try:
+            return await self.admission.acquire()
+        except PDServeError as e:
+            self.role.rejected(items, e)
+            raise
+
+    def _worker_gone(self, rank: int, reason: str) -> None:
+        # The prefill role publishes it (bootstrap /health) so decodes waiting on that rank fail
+        # at once. TODO: a FrontRole.worker_gone hook with a no-op default would replace getattr.
+        hook = getattr(self.role, "worker_gone", None)
+        if hook is not None:
+            hook(rank, reason)
 
     def healthy(self) -> bool:
         return self._generator is not None and not self.pool.dead
@@ -105,6 +128,17 @@ class Front:
         finally:
             active.close("health check ended")
 
+    async def metrics_text(self) -> bytes:
+        """The /metrics page, with the per-rank gauges refreshed from the workers (bounded wait:
+        a busy or dead rank keeps its last values, and `pdserve_worker_up` says which is dead)."""
+        if self._generator is not None:
+            try:
+                self.metrics.worker_stats(await self.pool.stats(METRICS_STATS_TIMEOUT_S))
+            except PDServeError as e:
+                log.warning("metrics: worker stats not refreshed: %s", e.message)
+        self.metrics.worker_liveness(self.cfg.dp_size, self.pool.dead)
+        return self.metrics.render()
+
     def model_info(self) -> dict:
         return {"model_path": self.model_dir, "tokenizer_path": self.model_dir, "is_generation": True,
                 "served_model_name": self.model_name}
@@ -128,10 +162,12 @@ class Front:
             "disaggregation_mode": self.role.disaggregation_mode, "dp_size": self.cfg.dp_size, "tp_size": 1,
             "load_balance_method": self.dispatcher.method.value, "page_size": page_size,
             "bootstrap_port": self.cfg.bootstrap_port, "transfer_backend": self.cfg.transfer_backend,
-            "version": __version__, "host": self.cfg.host, "port": self.cfg.port,
+            "version": __version__, "instance_id": self.cfg.instance_id, "host": self.cfg.host, "port": self.cfg.port,
             "context_length": limits.max_context, "vocab_size": limits.vocab_size,
             "max_total_num_tokens": min(s.total_pages for s in stats) * page_size,
-            "workers": workers,
+            "workers": workers,  # live ranks only; the dead ones are under dead_workers
+            "dead_workers": [{"dp_rank": r, "reason": why} for r, why in sorted(self.pool.dead.items())],
+            "admission": self.admission.stats(),
         }
         info.update(self.role.server_info())
         return info

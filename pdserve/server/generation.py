@@ -4,17 +4,21 @@
 each goes and sends them; nothing is sent unless every item passes (else a PDServeError).
 The returned `ActiveRequest` folds worker outputs into `ItemProgress` and yields it on every
 change. A stop string match aborts that item's worker request; `close()` (always called by
-the route, e.g. on client disconnect or error) aborts every unfinished one.
+the route, e.g. on client disconnect or error) aborts every unfinished one. Metrics are fed
+on dispatch, on every output and at each item's end; a finished item's timeline is logged
+at debug level.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from ..core.errors import BadRequest, Timeout
+from ..core.log_format import fields
 from ..core.messages import GenerateReq
 from .dispatcher import DPDispatcher
 from .metrics import FrontMetrics
@@ -24,6 +28,7 @@ from .roles import Dispatch, FrontRole
 from .tokenizer import ServerTokenizer
 from .worker_pool import WorkerPool
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Limits:
@@ -55,6 +60,8 @@ class ActiveRequest:
             req = GenerateReq(it.rid, it.input_ids, it.sampling, it.return_logprob, d.pd, time.time(), d.reason)
             self._gen.pool.submit(d.dp_rank, req, self._sink)
             self._sent.add(it.rid)
+            self.progress[it.rid].dispatched(d.dp_rank, d.reason)
+            self._gen.metrics.dispatched(d.dp_rank, d.reason)
 
     def _release(self, rid: str) -> None:
         if rid not in self._released:
@@ -68,20 +75,33 @@ class ActiveRequest:
     async def events(self) -> AsyncIterator[ItemProgress]:
         timeout = self._gen.limits.output_timeout_s
         while self.unfinished():
+            # not asyncio.wait_for: on 3.11 it can swallow a cancellation (client gone) that
+            # races with an arriving output, and the request would then run to its end
+            getter = asyncio.ensure_future(self._sink.get())
             try:
-                out = await asyncio.wait_for(self._sink.get(), timeout)
-            except asyncio.TimeoutError:
+                done, _ = await asyncio.wait({getter}, timeout=timeout)
+            finally:
+                if not getter.done():
+                    getter.cancel()
+            if done:
+                out = getter.result()
+            else:
                 pending = self.unfinished()
                 ranks = sorted({self._where[r][1].dp_rank for r in pending})
                 raise Timeout(f"no output for {timeout:.0f}s from dp ranks {ranks} for rids {pending}") from None
             prog = self.progress.get(out.rid)
             if prog is None or prog.finished:
                 continue
+            n_before, prev_token_at = len(prog.output_ids), prog.last_token_at
             if prog.apply(out):
                 self._gen.pool.abort(out.rid, "stop string matched")
+            self._gen.metrics.tokens_arrived(prog, len(prog.output_ids) - n_before, prev_token_at)
             if prog.finished:
                 self._release(out.rid)
                 self._gen.metrics.item_finished(prog)
+                if log.isEnabledFor(logging.DEBUG):
+                    tl = prog.timeline()
+                    log.debug("timeline", extra=fields(rid=prog.rid, room=tl.get("bootstrap_room"), timeline=tl))
             yield prog
 
     def close(self, reason: str = "request closed before it finished (client gone or error)") -> None:
@@ -145,6 +165,8 @@ class Generator:
             for it, d in zip(items, dispatches):
                 self.dispatcher.finished(d.dp_rank, _cost(it))
             self.role.rejected(items, e)
+            if isinstance(e, Exception):
+                self.metrics.rejected(e, len(items))
             raise
         active = ActiveRequest(self, items, dispatches)
         self.metrics.items_started(len(items))

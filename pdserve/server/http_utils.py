@@ -12,14 +12,17 @@ from typing import AsyncIterator, Awaitable, Callable, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..core.errors import BadRequest, PDServeError, Unauthorized
+from ..core.errors import PDServeError, Unauthorized
+from ..core.strict_json import loads_object
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 def error_response(err: PDServeError) -> JSONResponse:
-    return JSONResponse(err.to_json(), status_code=err.status)
+    retry_after = getattr(err, "retry_after", None)  # limits.Refused (429)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(err.to_json(), status_code=err.status, headers=headers)
 
 
 def sse(obj) -> bytes:
@@ -30,14 +33,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 async def json_body(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    return body
+    return loads_object(await request.body())
 
 
 class ClientGone(Exception):

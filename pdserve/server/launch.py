@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import logging
 import signal
 import sys
+from dataclasses import replace
 
 import uvicorn
 from fastapi import FastAPI
 
 from ..core.config import ServerConfig, add_dataclass_args, dataclass_from_args
+from ..core.log_format import LogContext, configure_logging, new_instance_id
 from .app import build_app
 from .front import Front
 from .roles import FrontRole
@@ -37,15 +38,15 @@ def create_app(cfg: ServerConfig, model_dir: str, worker_module: str = DEFAULT_W
 def run_server(cfg: ServerConfig, model_dir: str, worker_module: str = DEFAULT_WORKER_MODULE,
                start_timeout_s: float = 600.0) -> None:
     """Serve until SIGTERM/SIGINT; exits with status 3 if the workers fail to start."""
-    logging.basicConfig(level=cfg.log_level.upper(),
-                        format=f"%(asctime)s {cfg.role.value} front %(levelname)s %(name)s: %(message)s")
+    cfg = replace(cfg, instance_id=cfg.instance_id or new_instance_id())  # the workers log it too
+    configure_logging(cfg.log_level, cfg.log_format, LogContext(cfg.role.value, cfg.instance_id))
     server: uvicorn.Server | None = None
     app = create_app(cfg, model_dir, worker_module, start_timeout_s=start_timeout_s,
                      should_abort=lambda: server is not None and server.should_exit)
     front: Front = app.state.front
     atexit.register(front.pool.kill_all)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, lifespan="on",
-                            timeout_keep_alive=75, timeout_graceful_shutdown=10)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, log_config=None,
+                            lifespan="on", timeout_keep_alive=75, timeout_graceful_shutdown=10)
     server = uvicorn.Server(config)
     # uvicorn handles SIGTERM/SIGINT itself, then re-raises them into the handlers it found:
     # make those no-ops so that a graceful shutdown exits 0 instead of dying by the signal.

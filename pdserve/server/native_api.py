@@ -17,6 +17,7 @@ class NativeCall:
     stream: bool
     batched: bool  # reply with a list
     text_in_logprobs: bool
+    return_timeline: bool = False  # add meta_info["timeline"] to each finished item
 
 
 def _prompts(body: dict, tok: ServerTokenizer) -> tuple[list[list[int]], bool]:
@@ -54,7 +55,7 @@ def parse_generate(body: dict, tok: ServerTokenizer) -> NativeCall:
     return_logprob = opt_bool(body, "return_logprob")
     items = build_items(body, prompts, sampling, given, return_logprob)
     return NativeCall(items, opt_bool(body, "stream"), batched or len(items) > 1,
-                      opt_bool(body, "return_text_in_logprobs"))
+                      opt_bool(body, "return_text_in_logprobs"), opt_bool(body, "return_timeline"))
 
 
 def _logprob_list(logprobs, ids, tok: ServerTokenizer | None) -> list:
@@ -62,8 +63,9 @@ def _logprob_list(logprobs, ids, tok: ServerTokenizer | None) -> list:
 
 
 def item_reply(prog: ItemProgress, tok: ServerTokenizer, text_in_logprobs: bool,
-               index: int | None = None) -> dict:
-    """The reply for one item (final or a streamed snapshot with the text safe to show so far)."""
+               index: int | None = None, timeline: bool = False) -> dict:
+    """The reply for one item (final or a streamed snapshot with the text safe to show so far);
+    `timeline` adds meta_info["timeline"] once the item finished."""
     meta = dict(prog.meta)
     meta.update({
         "id": prog.rid,
@@ -77,6 +79,8 @@ def item_reply(prog: ItemProgress, tok: ServerTokenizer, text_in_logprobs: bool,
         inp = prog.input_logprobs or []
         meta["input_token_logprobs"] = _logprob_list(inp, prog.item.input_ids, name_tok)
         meta["output_token_logprobs"] = _logprob_list(prog.output_logprobs, prog.output_ids, name_tok)
+    if timeline and prog.finished:
+        meta["timeline"] = prog.timeline()
     out = {"text": prog.visible_text(), "output_ids": list(prog.output_ids), "meta_info": meta}
     if index is not None:
         out["index"] = index

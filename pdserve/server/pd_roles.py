@@ -44,6 +44,7 @@ class PrefillFrontRole(FrontRole):
         super().__init__(cfg)
         envs = envs or Envs.read()
         self.force = cfg.force_query_prefill_dp_rank or envs.force_query_prefill_dp_rank
+        self.token = cfg.bootstrap_token or envs.bootstrap_token  # guards PUT /route, /register_dp_rank
         self.table = BootstrapTable(dp_size=cfg.dp_size, force_query_dp_rank=self.force,
                                     ttl=envs.room_ttl)
         self.bootstrap = None
@@ -53,8 +54,12 @@ class PrefillFrontRole(FrontRole):
         self.notify = ctx.send_to_worker  # RoomFailedNotice to the rank a rejected room implies
 
     async def before_workers(self) -> None:
-        self.bootstrap = await start_bootstrap_server(self.table, self.cfg.host, self.cfg.bootstrap_port)
+        self.bootstrap = await start_bootstrap_server(self.table, self.cfg.host, self.cfg.bootstrap_port,
+                                                      token=self.token)
         log.info("bootstrap service on %s:%d", self.cfg.host, self.bootstrap.port)
+        if not self.token and self.cfg.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("bootstrap service on %s without --bootstrap-token: anyone who reaches it can "
+                        "register a prefill rank or record rooms", self.cfg.host)
 
     def dispatch(self, item: RequestItem, dispatcher: DPDispatcher) -> Dispatch:
         pd = _pd_params(item, "prefill")
@@ -87,6 +92,11 @@ class PrefillFrontRole(FrontRole):
             self.table.record_failed(room, reason)
             for rank in range(self.cfg.dp_size):
                 self.notify(rank, RoomFailedNotice(room, reason))
+
+    def worker_gone(self, rank: int, reason: str) -> None:
+        """A prefill worker died: its bootstrap /health and route say so, and a decode waiting for
+        its KV fails at the next heartbeat instead of at its waiting deadline."""
+        self.table.mark_rank_gone(rank, reason)
 
     def server_info(self) -> dict:
         return {"bootstrap_port": self.cfg.bootstrap_port, "force_query_prefill_dp_rank": self.force,

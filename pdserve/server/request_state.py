@@ -1,11 +1,13 @@
 """The front's view of one request item while it runs: output ids, incremental text with stop
-strings applied, logprobs, finish reason or error. Both reply styles (native, OpenAI) read it."""
+strings applied, logprobs, finish reason or error, and the timeline stages recorded so far
+(its own and its worker's). Both reply styles (native, OpenAI) and the metrics read it."""
 
 from __future__ import annotations
 
 import time
 
 from ..core.messages import ErrorInfo, TokenOutput
+from ..core.timeline import Stage, build_timeline
 from .detokenizer import IncrementalDetokenizer
 from .protocol import RequestItem
 from .tokenizer import ServerTokenizer
@@ -41,6 +43,18 @@ class ItemProgress:
         self.meta: dict = {}
         self.finished = False
         self.finish_time: float | None = None
+        self.first_token_at: float | None = None  # monotonic, like arrival
+        self.last_token_at: float | None = None
+        self.stages: dict[str, float] = {Stage.ARRIVAL.value: time.time()}  # core.timeline, wall clock
+        self.facts: dict = {}  # dp_rank, dispatch_reason: what the front decided
+
+    def dispatched(self, dp_rank: int, reason: str) -> None:
+        self.stages[Stage.DISPATCH.value] = time.time()
+        self.facts.update(dp_rank=dp_rank, dispatch_reason=reason)
+
+    def timeline(self) -> dict:
+        """meta_info["timeline"]: the stages so far with the room and both ranks."""
+        return build_timeline(self.stages, {**self.meta, **self.facts})
 
     @property
     def rid(self) -> str:
@@ -60,6 +74,14 @@ class ItemProgress:
         if self.finished:
             return False
         self.meta.update(out.meta)
+        if out.timeline:
+            self.stages.update(out.timeline)
+        if out.token_ids:
+            now = time.monotonic()
+            if self.first_token_at is None:
+                self.first_token_at = now
+                self.stages[Stage.FIRST_TOKEN.value] = time.time()
+            self.last_token_at = now
         if out.prompt_tokens:
             self.prompt_tokens = out.prompt_tokens
         if out.input_logprobs is not None:
@@ -103,3 +125,4 @@ class ItemProgress:
         self.finished = True
         self.finish_reason = reason
         self.finish_time = time.monotonic()
+        self.stages[Stage.FINISH.value] = time.time()

@@ -4,15 +4,17 @@ Lifecycle: `start()` binds one PUSH socket per rank and one PULL socket (ipc:// 
 temp dir), spawns one process per rank, and waits (deadline; fail fast when a process exits)
 for WorkerReady or WorkerFailed from every rank. While serving, `submit`/`abort`/`stats` talk
 to ranks and a reader task routes each TokenOutput to the sink of its rid; a monitor fails the
-requests of a rank whose process died. `stop()` sends ShutdownReq, waits, then kills by pid.
+requests of a rank whose process died and calls the `on_dead` hooks. `stop()` sends ShutdownReq, waits, then kills by pid.
 Messages are core.messages dataclasses, pickled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
+import os
 import pickle
 import shutil
 import subprocess
@@ -49,7 +51,12 @@ class _Stream:
 @dataclass
 class _StatsRound:
     future: asyncio.Future
+    want: set[int]  # the ranks alive when the round started
     got: dict[int, WorkerStats] = field(default_factory=dict)
+
+    def check(self) -> None:
+        if self.want <= set(self.got) and not self.future.done():
+            self.future.set_result(None)
 
 
 class WorkerPool:
@@ -65,6 +72,7 @@ class WorkerPool:
         self.ready: dict[int, WorkerReady] = {}
         self.failed: dict[int, str] = {}
         self.dead: dict[int, str] = {}  # rank -> why it is gone (while serving)
+        self.on_dead: list[Callable[[int, str], None]] = []  # called once per rank that dies serving
         self._streams: dict[str, _Stream] = {}
         self._stats: dict[int, _StatsRound] = {}
         self._stats_ids = itertools.count(1)
@@ -94,6 +102,10 @@ class WorkerPool:
         self._pull = self._actx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(out_addr)
+        # Secrets reach the workers through their environment, not their command lines (ps shows those).
+        wcfg = dataclasses.replace(self.cfg, api_key="", bootstrap_token="")
+        token = self.cfg.bootstrap_token
+        wenv = {**os.environ, "PDSERVE_BOOTSTRAP_TOKEN": token} if token else None
         for r in range(self.dp_size):
             push = sync_ctx.socket(zmq.PUSH)
             push.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a send
@@ -101,8 +113,8 @@ class WorkerPool:
             in_addr = f"ipc://{self._tmp}/in{r}"
             push.bind(in_addr)
             self._pushes.append(push)
-            cmd = worker_command(self.worker_module, r, self.cfg, self.model_dir, in_addr, out_addr)
-            self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+            cmd = worker_command(self.worker_module, r, wcfg, self.model_dir, in_addr, out_addr)
+            self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=wenv))
             log.info("started dp worker rank %d (pid %d, module %s)", r, self.procs[-1].pid,
                      self.worker_module)
         self._tasks.append(asyncio.create_task(self._read_loop(), name="worker-reader"))
@@ -197,23 +209,23 @@ class WorkerPool:
         return sum(1 for s in self._streams.values() if s.sink is not None)
 
     async def stats(self, timeout_s: float = 5.0) -> list[WorkerStats]:
-        """A fresh WorkerStats from every rank, in rank order."""
-        if self.dead:
-            r, why = sorted(self.dead.items())[0]
-            raise Unavailable(f"dp worker rank {r} is gone: {why}")
+        """A fresh WorkerStats from every live rank, in rank order (the dead ones are in `dead`)."""
+        live = {r for r in range(self.dp_size) if r not in self.dead}
+        if not live:
+            raise Unavailable(f"every dp worker is gone: {self.dead}")
         req_id = next(self._stats_ids)
-        rnd = _StatsRound(asyncio.get_running_loop().create_future())
+        rnd = _StatsRound(asyncio.get_running_loop().create_future(), live)
         self._stats[req_id] = rnd
         try:
-            for r in range(self.dp_size):
+            for r in sorted(live):
                 self._send(r, StatsReq(req_id))
             await asyncio.wait_for(asyncio.shield(rnd.future), timeout_s)
         except asyncio.TimeoutError:
-            missing = [r for r in range(self.dp_size) if r not in rnd.got]
+            missing = sorted(rnd.want - set(rnd.got))
             raise Timeout(f"dp worker ranks {missing} did not answer a stats request within {timeout_s}s") from None
         finally:
             self._stats.pop(req_id, None)
-        return [rnd.got[r] for r in range(self.dp_size)]
+        return [rnd.got[r] for r in sorted(rnd.got)]
 
     def send(self, rank: int, msg) -> bool:
         """Queue any core.messages object for one rank (never blocks); False if it failed."""
@@ -252,8 +264,7 @@ class WorkerPool:
             rnd = self._stats.get(msg.req_id)
             if rnd is not None:
                 rnd.got[msg.dp_rank] = msg
-                if len(rnd.got) == self.dp_size and not rnd.future.done():
-                    rnd.future.set_result(None)
+                rnd.check()
         elif isinstance(msg, WorkerReady):
             self.ready[msg.dp_rank] = msg
         elif isinstance(msg, WorkerFailed):
@@ -280,6 +291,14 @@ class WorkerPool:
         self.dead[rank] = why
         self._fail_streams(lambda s: s.rank == rank, f"dp worker rank {rank} is gone: {why}", 500,
                            "worker_error")
+        for rnd in self._stats.values():  # a stats round in progress stops waiting for it
+            rnd.want.discard(rank)
+            rnd.check()
+        for hook in self.on_dead:
+            try:
+                hook(rank, why)
+            except Exception:  # noqa: BLE001 - a hook must not stop the monitor
+                log.exception("dead-worker hook failed for rank %d", rank)
 
     def _fail_streams(self, pick, message: str, status: int, type_: str) -> None:
         for rid, st in list(self._streams.items()):

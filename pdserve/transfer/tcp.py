@@ -47,7 +47,9 @@ def _advertised_ip(host: str) -> str:
 
 class TcpBackend(TransferBackend):
     """Sockets over TCP. Outbound: one cached connection per peer, reconnected once when found
-    closed at the start of a call; a failure in the middle of a call raises (bytes may be lost)."""
+    closed at the start of a call; a failure in the middle of a call raises (bytes may be lost).
+    Peers are keyed by instance: a peer restarted on the same address replaces (and closes) the
+    connection to its old instance."""
 
     name = "tcp"
 
@@ -141,7 +143,15 @@ class TcpBackend(TransferBackend):
             if self._closed or self.endpoint is None:
                 raise TransferError(f"tcp backend is {'closed' if self._closed else 'not started'}; "
                                     f"cannot reach {name}")
-            conn = self._out.setdefault(key, _OutConn())
+            conn = self._out.get(key)
+            if conn is None:
+                conn = self._out[key] = _OutConn()
+                stale = [k for k in self._out if k[:2] == key[:2] and k != key]
+                old = [self._out.pop(k) for k in stale]  # a restarted peer: its old instance is gone
+            else:
+                old = []
+        for dead in old:
+            self._drop_conn(dead)
         with conn.lock:
             closed_by_peer = self._closed_by_peer(conn.sock) if conn.sock is not None else None
             if closed_by_peer is not None:
@@ -162,6 +172,19 @@ class TcpBackend(TransferBackend):
                 if isinstance(e, (BlockingIOError, TimeoutError)):  # SO_SNDTIMEO expired
                     e = f"the peer took no bytes for {self.io_timeout}s"
                 raise TransferError(f"lost connection to transfer peer {name}: {e}") from None
+
+    def _drop_conn(self, conn: _OutConn) -> None:
+        """Close a cached connection no longer in the table; one busy in another thread is shut
+        down, and that thread closes it when its call fails."""
+        if conn.lock.acquire(blocking=False):
+            try:
+                if conn.sock is not None:
+                    conn.sock.close()
+                    conn.sock = None
+            finally:
+                conn.lock.release()
+        else:
+            self._shutdown(conn.sock)
 
     @staticmethod
     def _closed_by_peer(sock: socket.socket) -> str | None:

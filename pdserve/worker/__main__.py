@@ -9,6 +9,7 @@ import traceback
 
 from ..core.config import config_from_json
 from ..core.envs import Envs
+from ..core.log_format import LogContext, configure_logging
 from ..core.messages import WorkerFailed, WorkerReady
 from .channel import WorkerChannel
 
@@ -26,8 +27,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     cfg = config_from_json(args.config_json)
-    logging.basicConfig(level=cfg.log_level.upper(),
-                        format=f"%(asctime)s {cfg.role.value} dp{args.dp_rank} %(levelname)s %(name)s: %(message)s")
+    configure_logging(cfg.log_level, cfg.log_format, LogContext(cfg.role.value, cfg.instance_id, args.dp_rank))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when we stop
     channel = WorkerChannel(args.in_addr, args.out_addr)
     try:

@@ -28,14 +28,16 @@ class DecodeRole(WorkerRole):
         self.rooms: dict[str, int] = {}  # rid -> room
         self.receiver = DecodeReceiver(
             self.backend, self.dp_rank, self.local, resolve=self._resolve, cancel_resolve=self._cancel,
-            reserve=self.engine.reserve, waiting_timeout=envs.waiting_timeout, wake=self.ctx.wake)
+            reserve=self.engine.reserve, waiting_timeout=envs.waiting_timeout, wake=self.ctx.wake,
+            invalidate=self.client.invalidate)
         self.resolver = RankResolver(
             self.client, decode_force=cfg.force_query_prefill_dp_rank or envs.force_query_prefill_dp_rank,
             topology_timeout=envs.topology_timeout, query_timeout=envs.dp_rank_query_timeout,
-            on_result=self._on_resolved)
+            on_result=self._on_resolved, revalidate_after=envs.heartbeat_interval)
         self.heartbeat = Heartbeat(self.client, interval=envs.heartbeat_interval,
                                    max_failures=envs.heartbeat_max_failure,
-                                   watched=self.receiver.watched, on_gone=self.receiver.on_gone)
+                                   watched=self.receiver.watched, on_gone=self.receiver.on_gone,
+                                   gone_ranks=self.client.gone_ranks)
         self.pump = MessagePump(self.backend, self.ctx.wake)
         return {"transfer_endpoint": self.local["endpoint"]}
 
@@ -96,7 +98,7 @@ class DecodeRole(WorkerRole):
             if not done.ok:
                 self.rooms.pop(req.rid, None)
                 self.engine.release(req.rid)
-                outs.append(error_output(req.rid, 500, done.reason, "handoff_error", done.meta))
+                outs.append(error_output(req.rid, 500, done.reason, "handoff_error", done.meta, done.stages))
                 continue
             aux = done.aux or {}
             step = self.engine.add_prefilled(
@@ -104,11 +106,15 @@ class DecodeRole(WorkerRole):
                 aux["first_token"], aux.get("first_logprob"))
             if step.finished:
                 self.rooms.pop(req.rid, None)
-            outs.append(to_token_output(step, done.meta))
+            outs.append(to_token_output(step, done.meta, done.stages))
         return outs
 
     def inflight_transfers(self) -> int:
         return self.receiver.inflight()
+
+    def stats_extra(self) -> dict:
+        return {"preallocated_requests": self.receiver.preallocated(),
+                "handoff_states": self.receiver.states()}
 
     def close(self) -> None:
         self.heartbeat.close()

@@ -1,4 +1,5 @@
-"""The worker loop, the same for every role: read messages, step the engine, send outputs."""
+"""The worker loop, the same for every role: read messages, step the engine, send outputs
+(stamped with when each request was queued and first scheduled, see queue_clock.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from ..core.messages import (AbortReq, GenerateReq, OutputBatch, RoomFailedNotic
                              StatsReq, TokenOutput, WorkerStats)
 from ..engine.engine import Engine
 from .channel import WorkerChannel
+from .queue_clock import QueueClock
 from .role import WorkerRole
 
 log = logging.getLogger(__name__)
@@ -25,6 +27,7 @@ class WorkerLoop:
         self.running = True
         self.parent = os.getppid()
         self.next_parent_check = 0.0
+        self.clock = QueueClock()
 
     def parent_alive(self) -> bool:
         """Workers stop when their front died without telling them (e.g. SIGKILL)."""
@@ -44,12 +47,18 @@ class WorkerLoop:
                 outs.extend(self.handle(msg))
             outs.extend(self.role.poll())
             if self.engine.has_work():
-                outs.extend(self.role.on_step(self.engine.step()))
+                started = time.time()
+                self.clock.before_step(self.engine.seqs, started)
+                stepped = self.engine.step()
+                self.clock.after_step(self.engine.seqs, started)
+                outs.extend(self.role.on_step(stepped))
             if outs:
+                self.clock.stamp(outs)
                 self.channel.send(OutputBatch(self.dp_rank, outs))
 
     def handle(self, msg) -> list[TokenOutput]:
         if isinstance(msg, GenerateReq):
+            self.clock.watch(msg.rid)
             return self.role.on_generate(msg)
         if isinstance(msg, AbortReq):
             return self.role.on_abort(msg.rid, msg.reason)

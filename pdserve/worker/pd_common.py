@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from ..core.errors import BadRequest
+from ..core.log_format import fields
 from ..core.messages import GenerateReq
 from ..transfer.base import TransferBackend, layout_to_dict
 from ..transfer.registry import backend_class
@@ -40,8 +41,8 @@ def require_pd(req: GenerateReq, role: str) -> None:
 
 def log_handoff(done) -> None:
     """One line per finished handoff (RoomDone / DecodeDone): room, ranks, timings, cause."""
-    fields = " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in done.meta.items())
+    extra = fields(room=done.room, rid=done.rid, **{k: v for k, v in done.meta.items() if k != "bootstrap_room"})
     if done.ok:
-        log.info("handoff ok room=%d rid=%s %s", done.room, done.rid, fields)
+        log.info("handoff ok", extra=extra)
     else:
-        log.warning("handoff failed room=%d rid=%s %s reason=%r", done.room, done.rid, fields, done.reason)
+        log.warning("handoff failed", extra={**extra, "reason": done.reason})

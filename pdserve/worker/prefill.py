@@ -36,7 +36,8 @@ class PrefillRole(WorkerRole):
                         load_balance_method=cfg.load_balance_method,
                         fingerprint=self.local["fingerprint"], endpoint=ep,
                         transfer_backend=cfg.transfer_backend)
-        with BootstrapClient(timeout=5.0) as client:
+        token = cfg.bootstrap_token or self.ctx.envs.bootstrap_token
+        with BootstrapClient(timeout=5.0, token=token) as client:
             client.register_rank(bootstrap_addr("127.0.0.1", cfg.bootstrap_port), info,
                                  deadline_s=REGISTER_DEADLINE_S)
         return {"transfer_endpoint": ep}
@@ -91,13 +92,17 @@ class PrefillRole(WorkerRole):
             first = self.first.pop(done.rid, None)
             self.engine.abort(done.rid)  # frees held pages, or stops a prefill still running
             if done.ok and first is not None:
-                outs.append(to_token_output(first, done.meta))
+                outs.append(to_token_output(first, done.meta, done.stages))
             else:
-                outs.append(error_output(done.rid, 500, done.reason, "handoff_error", done.meta))
+                outs.append(error_output(done.rid, 500, done.reason, "handoff_error", done.meta, done.stages))
         return outs
 
     def inflight_transfers(self) -> int:
         return self.sender.inflight()
+
+    def stats_extra(self) -> dict:
+        return {"preallocated_requests": self.sender.holding(), "handoff_states": self.sender.states(),
+                "early_kv_reqs": len(self.sender.early), "doomed_rooms": len(self.sender.failed)}
 
     def close(self) -> None:
         self.pump.close()

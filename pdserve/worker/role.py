@@ -75,7 +75,8 @@ class WorkerRole(ABC):
         pass
 
 
-def to_token_output(o: StepOutput, meta: dict | None = None) -> TokenOutput:
+def to_token_output(o: StepOutput, meta: dict | None = None,
+                    timeline: dict[str, float] | None = None) -> TokenOutput:
     return TokenOutput(
         rid=o.rid,
         token_ids=[] if o.token_id is None else [o.token_id],
@@ -85,11 +86,12 @@ def to_token_output(o: StepOutput, meta: dict | None = None) -> TokenOutput:
         prompt_tokens=o.prompt_tokens,
         input_logprobs=o.input_logprobs,
         meta=meta or {},
+        timeline=timeline or {},
     )
 
 
 def error_output(rid: str, status: int, message: str, type_: str = "invalid_request_error",
-                 meta: dict | None = None) -> TokenOutput:
+                 meta: dict | None = None, timeline: dict[str, float] | None = None) -> TokenOutput:
     return TokenOutput(rid=rid, finished=True,
                        finish_reason={"type": "abort", "message": message},
-                       error=ErrorInfo(status, message, type_), meta=meta or {})
+                       error=ErrorInfo(status, message, type_), meta=meta or {}, timeline=timeline or {})
