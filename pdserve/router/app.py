@@ -19,7 +19,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from pdserve.core.errors import BadRequest, PDServeError, Unauthorized
+from pdserve.core.errors import PDServeError, Unauthorized
 
 from .cli_args import config_from_args
 from .config import RouterConfig
@@ -116,10 +116,7 @@ class RouterApp:
     def _pd_handler(self, route: Route):
         async def handler(request: web.Request) -> web.StreamResponse:
             raw = await request.read()
-            try:
-                body = parse_client_body(raw)
-            except RecursionError:  # msgspec's depth limit; belongs in pd_body.parse_client_body
-                raise BadRequest("request body is not valid JSON: nested too deeply") from None
+            body = parse_client_body(raw)
             shape = inspect_request(route, body)
             return await self.proxy.handle(request, body, shape)
 

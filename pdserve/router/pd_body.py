@@ -32,6 +32,8 @@ def parse_client_body(raw: bytes) -> dict:
         body = _decoder.decode(raw)
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # msgspec's depth limit
+        raise BadRequest("request body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
     return body

@@ -99,10 +99,8 @@ class Front:
 
     def _worker_gone(self, rank: int, reason: str) -> None:
         # The prefill role publishes it (bootstrap /health) so decodes waiting on that rank fail
-        # at once. TODO: a FrontRole.worker_gone hook with a no-op default would replace getattr.
-        hook = getattr(self.role, "worker_gone", None)
-        if hook is not None:
-            hook(rank, reason)
+        # at once.
+        self.role.worker_gone(rank, reason)
 
     def healthy(self) -> bool:
         return self._generator is not None and not self.pool.dead

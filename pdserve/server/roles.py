@@ -71,6 +71,9 @@ class FrontRole(ABC):
     def server_info(self) -> dict:
         return {}
 
+    def worker_gone(self, rank: int, reason: str) -> None:
+        """A DP worker process of this server died (the front keeps serving the others)."""
+
     def rejected(self, items: list[RequestItem], error: BaseException) -> None:
         """The request was refused before reaching any worker (bad input, conflict)."""
 

@@ -1,0 +1,282 @@
+"""What the reliability suites share: servers with fault knobs, a router process, clients that
+keep legs in flight, /proc probes (worker pids, fds, threads, RSS), and the predicates that say
+a request is in its prefill, transfer or decode window (read from server_info).
+
+Every process starts in its own process group on free 127.0.0.1 ports and is stopped by pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster import FAST_ENV, ROOT, Server, free_port  # noqa: E402
+from pdserve.disagg.handoff import HandoffState  # noqa: E402
+from tiny_model import make_tiny_model  # noqa: E402
+
+
+def shared_tiny_model(tmp_path_factory) -> str:
+    """One tiny model per pytest session, shared by every module that asks (built once)."""
+    path = tmp_path_factory.getbasetemp() / "shared_tiny_model"
+    if not (path / "model.safetensors").exists():
+        make_tiny_model(str(path))
+    return str(path)
+
+
+def wait_for(cond, timeout: float, what: str, detail=lambda: "") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{detail()}")
+        time.sleep(0.05)
+
+
+# ---- /proc probes ---------------------------------------------------------------------------
+def children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _status(pid: int, key: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def thread_count(pid: int) -> int:
+    return _status(pid, "Threads")
+
+
+def rss_kb(pid: int) -> int:
+    return _status(pid, "VmRSS")
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# ---- servers --------------------------------------------------------------------------------
+class KnobServer(Server):
+    """A `cluster.Server` whose DP workers are `tests.slow_worker` (fault windows on demand), on
+    given or free ports (a restart reuses the same ones)."""
+
+    def __init__(self, role: str, model_dir: str, dp: int = 1, extra: list[str] | None = None,
+                 env: dict | None = None, log_dir: str | None = None, port: int | None = None,
+                 bootstrap_port: int | None = None):
+        self.role, self.dp, self.model_dir = role, dp, model_dir
+        self.port = port or free_port()
+        self.bootstrap_port = (bootstrap_port or free_port()) if role == "prefill" else None
+        log_dir = log_dir or "/tmp"
+        self.control = os.path.join(log_dir, f"knobs-{role}-{self.port}.json")
+        self.slow()
+        args = [sys.executable, "-m", "pdserve.server.launch", "--model-dir", model_dir,
+                "--worker-module", "tests.slow_worker", "--start-timeout", "120",
+                "--role", role, "--model", model_dir, "--host", "127.0.0.1", "--port", str(self.port),
+                "--dp-size", str(dp), "--dtype", "float32", "--max-total-tokens", "2048",
+                "--page-size", "4", "--num-threads", "1", "--chunked-prefill-size", "64",
+                "--log-level", "warning"]
+        if self.bootstrap_port:
+            args += ["--bootstrap-port", str(self.bootstrap_port)]
+        args += extra or []
+        full_env = {**os.environ, **FAST_ENV, **(env or {}), "PYTHONPATH": ROOT,
+                    "SLOW_WORKER_CONTROL": self.control}
+        self.log_path = os.path.join(log_dir, f"pdserve-{role}-{self.port}-{time.monotonic_ns()}.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(args, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, cwd=ROOT)
+
+    def slow(self, step_s: float = 0.0, transfer_s: float = 0.0) -> None:
+        """Set the workers' fault-window knobs (read before their next step or write)."""
+        tmp = self.control + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"step_s": step_s, "transfer_s": transfer_s}, f)
+        os.replace(tmp, self.control)
+
+    @property
+    def bootstrap_addr(self) -> str:
+        return f"127.0.0.1:{self.bootstrap_port}"
+
+    def worker_pids(self) -> dict[int, int]:
+        """dp rank -> pid of the live worker processes (children of the front)."""
+        out = {}
+        for pid in children(self.proc.pid):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if b"--dp-rank" in argv:
+                out[int(argv[argv.index(b"--dp-rank") + 1])] = pid
+        return out
+
+    def kill_worker(self, rank: int) -> None:
+        os.kill(self.worker_pids()[rank], signal.SIGKILL)
+
+    def worker(self, rank: int) -> dict:
+        return next(w for w in self.info()["workers"] if w["dp_rank"] == rank)
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid, *self.worker_pids().values()]
+
+
+class Router:
+    """`python -m pdserve router` in its own process group, on a given or free port."""
+
+    def __init__(self, prefills: list[Server], decodes: list[Server], *flags: str, log_dir: str,
+                 port: int | None = None):
+        self.port = port or free_port()
+        self.prefills, self.decodes, self.flags, self.log_dir = prefills, decodes, flags, log_dir
+        cmd = [sys.executable, "-m", "pdserve", "router", "--pd-disaggregation", "--host", "127.0.0.1",
+               "--port", str(self.port), "--log-level", "warning", "--health-check-interval-secs", "1",
+               *flags]
+        for p in prefills:
+            cmd += ["--prefill", p.url, str(p.bootstrap_port)]
+        for d in decodes:
+            cmd += ["--decode", d.url]
+        self.log_path = os.path.join(log_dir, f"router-{self.port}-{time.monotonic_ns()}.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     env={**os.environ, "PYTHONPATH": ROOT}, start_new_session=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def tail(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()[-3000:]
+
+    def wait_healthy(self, timeout: float = 60.0, headers: dict | None = None) -> "Router":
+        def healthy() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited ({self.proc.returncode}):\n{self.tail()}")
+            try:
+                return httpx.get(self.url + "/health", timeout=2, headers=headers).status_code == 200
+            except httpx.HTTPError:
+                return False
+        wait_for(healthy, timeout, f"router {self.url} healthy", self.tail)
+        return self
+
+    def restart(self) -> "Router":
+        """A new router process on the same port with the same flags."""
+        return Router(self.prefills, self.decodes, *self.flags, log_dir=self.log_dir, port=self.port)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.kill(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill(signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        self.log.close()
+
+
+# ---- clients --------------------------------------------------------------------------------
+class Legs:
+    """Requests in flight on background threads; `result()` gives the httpx.Response or the
+    exception the client saw (a dropped connection is an answer too)."""
+
+    def __init__(self, workers: int = 16):
+        self.pool = ThreadPoolExecutor(workers)
+
+    def post(self, url: str, body: dict, timeout: float = 60.0, headers: dict | None = None) -> Future:
+        def call():
+            try:
+                with httpx.Client(timeout=timeout) as c:
+                    return c.post(url, json=body, headers=headers)
+            except httpx.HTTPError as e:
+                return e
+        return self.pool.submit(call)
+
+    def both(self, prefill: Server, decode: Server, body: dict, path: str = "/generate",
+             decode_extra: dict | None = None, timeout: float = 60.0) -> tuple[Future, Future]:
+        return (self.post(prefill.url + path, body, timeout),
+                self.post(decode.url + path, {**body, **(decode_extra or {})}, timeout))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def error_of(resp) -> str:
+    """The error message of a failed response (or the client-side exception)."""
+    if isinstance(resp, Exception):
+        return f"{type(resp).__name__}: {resp}"
+    try:
+        return resp.json()["error"]["message"]
+    except Exception:
+        return resp.text
+
+
+def sse_events(text: str) -> list:
+    lines = [ln[6:] for ln in text.splitlines() if ln.startswith("data: ")]
+    assert lines and lines[-1] == "[DONE]", text[-500:]
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+# ---- fault windows and answers ------------------------------------------------------------
+def room_on(rank: int, dp: int) -> int:
+    r = random.getrandbits(63)
+    return r - r % dp + rank
+
+
+def prefilling(srv: KnobServer, rank: int) -> bool:
+    w = srv.worker(rank)
+    return w["waiting_requests"] + w["running_requests"] > 0
+
+
+def transferring(srv: KnobServer, rank: int) -> bool:
+    """A prefill rank's handoff is writing pages (it has the prompt's KV and the decode's kv_req)."""
+    return srv.worker(rank)["extra"]["handoff_states"].get(HandoffState.TRANSFERRING.value, 0) > 0
+
+
+def kv_req_sent(srv: KnobServer, rank: int) -> bool:
+    """A decode rank's handoff has sent its kv_req and waits for the KV."""
+    return srv.worker(rank)["extra"]["handoff_states"].get(HandoffState.WAITING_FOR_INPUT.value, 0) > 0
+
+
+def decoding(srv: KnobServer, rank: int) -> bool:
+    w = srv.worker(rank)
+    return w["running_requests"] > 0 and w["inflight_transfers"] == 0
+
+
+def status(resp) -> int | None:
+    return None if isinstance(resp, Exception) else resp.status_code
+
+
+def assert_failed(resp, *words: str) -> None:
+    assert status(resp) is not None and status(resp) >= 500, f"expected an error, got {resp!r}: {error_of(resp)}"
+    msg = error_of(resp)
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"

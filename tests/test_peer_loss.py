@@ -1,0 +1,193 @@
+"""Step by step, no server processes: how a decode learns that prefill workers died or that a
+prefill restarted (bootstrap table and /health, heartbeat, receiver, client revalidation), and
+that the tcp backend drops its connection to a restarted peer's old instance."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from pdserve.core.errors import Unavailable
+from pdserve.core.kv_layout import KVLayout
+from pdserve.disagg.bootstrap_client import BootstrapClient
+from pdserve.disagg.bootstrap_server import ThreadedBootstrap
+from pdserve.disagg.bootstrap_table import BootstrapTable, RankInfo
+from pdserve.disagg.handoff import HandoffState
+from pdserve.disagg.heartbeat import Heartbeat
+from pdserve.disagg.rank_resolver import Resolved
+from pdserve.transfer.tcp import TcpBackend
+from test_kv_sender import ADDR, Link, make_link
+from test_kv_sender import no_stray_threads  # noqa: F401  (autouse fixture, applies here too)
+
+pytestmark = pytest.mark.timeout(60)
+S = HandoffState
+
+
+def rank_info(rank: int, dp_size: int = 2, port: int = 20000) -> RankInfo:
+    return RankInfo(rank, dp_size, "127.0.0.1", port + rank, 4, "float32", "follow_bootstrap_room")
+
+
+@pytest.fixture
+def link(request) -> Link:
+    lk = make_link()
+    request.addfinalizer(lk.close)
+    return lk
+
+
+def resolve(lk: Link, room: int, rank: int | None, instance: str = "inst-1") -> None:
+    lk.receiver.accept(room, f"d-{room}", ADDR, 8, None)
+    if rank is not None:
+        res = lk.resolved(room, rank)
+        lk.receiver.on_resolved(Resolved(room, ADDR, rank, "fast", res.info, instance))
+    lk.receiver.poll()
+
+
+def failed(lk: Link) -> dict[int, str]:
+    end = time.monotonic() + 5
+    out: dict[int, str] = {}
+    while time.monotonic() < end:
+        out.update({d.room: d.reason for d in lk.receiver.poll() if not d.ok})
+        time.sleep(0.01)
+        if out and not any(r.abort_sent_at for r in lk.receiver.rooms.values()):
+            break
+    return out
+
+
+# ---- bootstrap table and service ---------------------------------------------------------------
+def test_gone_rank_is_refused_and_listed_by_health():
+    table = BootstrapTable(dp_size=2)
+    for r in (0, 1):
+        table.register_rank(rank_info(r))
+    table.mark_rank_gone(1, "process pid 7 exited with code -9")
+    with pytest.raises(Unavailable, match="prefill dp_rank 1 is gone: process pid 7"):
+        table.rank(1)
+    assert table.rank(0).dp_rank == 0 and table.topology().dp_size == 2
+    srv = ThreadedBootstrap(table)
+    try:
+        with BootstrapClient(timeout=5.0) as client:
+            assert client.health(srv.addr) == table.instance_id
+            assert client.gone_ranks(srv.addr) == {1: "process pid 7 exited with code -9"}
+        table.register_rank(rank_info(1))  # a worker registering again is alive
+        with BootstrapClient(timeout=5.0) as client:
+            client.health(srv.addr)
+            assert client.gone_ranks(srv.addr) == {}
+    finally:
+        srv.stop()
+
+
+def test_silent_cached_topology_is_revalidated_before_use():
+    clock = [0.0]
+    old = BootstrapTable(dp_size=1, instance_id="old")
+    old.register_rank(rank_info(0, 1))
+    srv = ThreadedBootstrap(old)
+    port = srv.port
+    with BootstrapClient(timeout=5.0, clock=lambda: clock[0]) as client:
+        assert client.get_topology(srv.addr, max_age_s=1.0).instance_id == "old"
+        srv.stop()
+        new = BootstrapTable(dp_size=1, instance_id="new")
+        new.register_rank(rank_info(0, 1, port=31000))
+        srv = ThreadedBootstrap(new, port=port)
+        try:
+            assert client.get_topology(srv.addr, max_age_s=1.0).instance_id == "old"  # heard from recently
+            clock[0] += 2.0
+            assert client.get_topology(srv.addr, max_age_s=1.0).instance_id == "new"
+            assert client.get_rank_endpoint(srv.addr, 0).rank_port == 31000
+        finally:
+            srv.stop()
+
+
+# ---- receiver ------------------------------------------------------------------------------------
+def test_gone_ranks_fail_only_rooms_resolved_to_them(link):
+    resolve(link, 1, rank=0)
+    resolve(link, 2, rank=1)
+    resolve(link, 3, rank=None)  # still resolving: its own lookup will find the rank gone
+    link.receiver.on_gone(ADDR, "prefill h:1 dp_rank 1 is gone: died", ranks=frozenset({1}))
+    out = failed(link)
+    assert list(out) == [2] and out[2] == "room 2 (prefill dp_rank 1): prefill h:1 dp_rank 1 is gone: died"
+    assert set(link.receiver.rooms) == {1, 3}
+
+
+def test_restart_spares_rooms_resolved_against_the_live_instance(link):
+    resolve(link, 1, rank=0, instance="new")
+    resolve(link, 2, rank=0, instance="old")
+    resolve(link, 3, rank=None)
+    link.receiver.on_gone(ADDR, "prefill restarted", spare_instance="new")
+    out = failed(link)
+    assert sorted(out) == [2, 3] and all("prefill restarted" in why for why in out.values())
+    assert set(link.receiver.rooms) == {1}
+
+
+# ---- heartbeat -----------------------------------------------------------------------------------
+class Health:
+    """A BootstrapClient stand-in: instance id per address (None = no answer) and gone ranks."""
+
+    def __init__(self):
+        self.instance: str | None = "a"
+        self.gone: dict[int, str] = {}
+
+    def health(self, addr: str, *, timeout: float | None = None) -> str | None:
+        return self.instance
+
+    def gone_ranks(self, addr: str) -> dict[int, str]:
+        return dict(self.gone)
+
+
+def test_heartbeat_reports_gone_ranks_and_restarts_with_the_live_instance():
+    client, calls = Health(), []
+    hb = Heartbeat(client, interval=3600.0, max_failures=2, watched=lambda: {ADDR},
+                   on_gone=lambda addr, reason, **kw: calls.append((addr, reason, kw)),
+                   gone_ranks=client.gone_ranks)
+    try:
+        hb.beat_all()
+        assert calls == []
+        client.gone = {1: "process pid 9 exited with code -9"}
+        hb.beat_all()
+        assert calls == [(ADDR, f"prefill {ADDR} dp_rank 1 is gone: process pid 9 exited with code -9",
+                          {"ranks": frozenset({1})})]
+        calls.clear()
+        client.gone, client.instance = {}, "b"
+        hb.beat_all()
+        [(addr, reason, kw)] = calls
+        assert "restarted (instance a -> b)" in reason and kw == {"spare_instance": "b"}
+    finally:
+        hb.close()
+
+
+# ---- tcp: a peer restarted on the same address ---------------------------------------------------
+def make_pool(pages: int = 4, page_bytes: int = 64) -> tuple[np.ndarray, KVLayout]:
+    arr = np.zeros(2 * pages * page_bytes, dtype=np.uint8)
+    return arr, KVLayout(arr.ctypes.data, 2, pages, page_bytes, pages * page_bytes, 16, "bfloat16")
+
+
+def recv_one(backend: TcpBackend) -> dict:
+    end = time.monotonic() + 5
+    while time.monotonic() < end:
+        got = backend.recv(0.05)
+        if got:
+            return got[0][1]
+    raise AssertionError("nothing received")
+
+
+def test_connection_to_a_restarted_peers_old_instance_is_dropped():
+    mems = [make_pool() for _ in range(3)]
+    sender, old = TcpBackend(connect_timeout=2.0), TcpBackend(connect_timeout=2.0)
+    new = None
+    try:
+        sender.start(mems[0][1])
+        old_ep = old.start(mems[1][1])
+        sender.send(old_ep, {"n": 1})
+        assert recv_one(old) == {"n": 1}
+        old.close()
+        new = TcpBackend(connect_timeout=2.0)
+        new_ep = new.start(mems[2][1], port=old_ep["port"])
+        assert new_ep["instance"] != old_ep["instance"]
+        sender.send(new_ep, {"n": 2})
+        assert recv_one(new) == {"n": 2}
+        keys = [k for k in sender._out if k[:2] == ("127.0.0.1", old_ep["port"])]
+        assert keys == [("127.0.0.1", old_ep["port"], new_ep["instance"])]
+    finally:
+        for b in (sender, old, new):
+            if b is not None:
+                b.close()
