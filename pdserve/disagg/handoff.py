@@ -118,3 +118,17 @@ class Handoff:
         if self.done:
             out["total"] = self.entered[self.state] - self.created
         return out
+
+
+@dataclass
+class HandoffDone:
+    """A finished room, as the sender or receiver reports it to its worker: success or the
+    failure reason, the aux data from the prefill, timings for meta_info, and stage times."""
+
+    room: int
+    rid: str
+    ok: bool
+    reason: str
+    aux: dict | None
+    meta: dict
+    stages: dict[str, float] = field(default_factory=dict)

@@ -26,7 +26,7 @@ from ..core.failures import FailureCause
 from ..core.timeline import Stage, transfer_stages
 from ..transfer.base import TransferBackend, TransferError
 from . import wire
-from .handoff import Handoff, HandoffState, Side
+from .handoff import Handoff, HandoffDone, HandoffState, Side
 from .rank_resolver import Resolved
 
 log = logging.getLogger(__name__)
@@ -49,17 +49,6 @@ class DecodeRoom:
     abort_sent_at: float | None = None  # kv_abort sent, no answer yet: pages may still be written
     cause: FailureCause = FailureCause.INTERNAL  # set with the first failure
     stages: dict[str, float] = field(default_factory=dict)  # Stage value -> time.time()
-
-
-@dataclass
-class DecodeDone:
-    room: int
-    rid: str
-    ok: bool
-    reason: str
-    aux: dict | None
-    meta: dict
-    stages: dict[str, float] = field(default_factory=dict)
 
 
 class DecodeReceiver:
@@ -140,7 +129,7 @@ class DecodeReceiver:
             self._fail(r, reason, FailureCause.ABORTED)
 
     # ---- progress (loop thread) ------------------------------------------------------------
-    def poll(self, now: float | None = None) -> list[DecodeDone]:
+    def poll(self, now: float | None = None) -> list[HandoffDone]:
         while True:
             try:
                 kind, data = self.events.get_nowait()
@@ -270,7 +259,7 @@ class DecodeReceiver:
             log.info("decode dp_rank %d: could not tell prefill about room %s: %s",
                      self.dp_rank, msg.get("room"), e, extra={"room": msg.get("room")})
 
-    def _finish(self, r: DecodeRoom) -> DecodeDone:
+    def _finish(self, r: DecodeRoom) -> HandoffDone:
         del self.rooms[r.room]
         with self._addrs_lock:
             n = self._addrs.get(r.addr, 1) - 1
@@ -279,7 +268,7 @@ class DecodeReceiver:
             else:
                 self._addrs[r.addr] = n
         ok = r.handoff.state is S.SUCCESS
-        return DecodeDone(r.room, r.rid, ok, r.handoff.reason, r.aux, self._meta(r), dict(r.stages))
+        return HandoffDone(r.room, r.rid, ok, r.handoff.reason, r.aux, self._meta(r), dict(r.stages))
 
     def _meta(self, r: DecodeRoom) -> dict:
         h = r.handoff

@@ -27,7 +27,7 @@ from ..core.log_format import fields
 from ..core.timeline import Stage, transfer_stages
 from ..transfer.base import TransferBackend, TransferError, peer_name
 from . import wire
-from .handoff import Handoff, HandoffState, Side
+from .handoff import Handoff, HandoffDone, HandoffState, Side
 
 log = logging.getLogger(__name__)
 S = HandoffState
@@ -47,17 +47,6 @@ class PrefillRoom:
     result: dict = field(default_factory=dict)  # bytes, timings of the write
     cause: FailureCause = FailureCause.INTERNAL  # set with the first failure
     stages: dict[str, float] = field(default_factory=dict)  # Stage value -> time.time()
-
-
-@dataclass
-class RoomDone:
-    room: int
-    rid: str
-    ok: bool
-    reason: str
-    aux: dict | None
-    meta: dict
-    stages: dict[str, float] = field(default_factory=dict)
 
 
 class Doomed(NamedTuple):
@@ -82,7 +71,7 @@ class PrefillSender:
         self.failed: dict[int, Doomed] = {}
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kv-send-{dp_rank}")
         self.jobs: queue.Queue = queue.Queue()
-        self.done: list[RoomDone] = []
+        self.done: list[HandoffDone] = []
         self.wake = wake  # called from job threads so the loop polls at once
 
     # ---- events ------------------------------------------------------------------------------
@@ -259,7 +248,7 @@ class PrefillSender:
             r.cause = FailureCause.TRANSFER
         self._tell_failed(r)
 
-    def poll(self, now: float | None = None) -> list[RoomDone]:
+    def poll(self, now: float | None = None) -> list[HandoffDone]:
         now = time.monotonic() if now is None else now
         while True:
             try:
@@ -278,7 +267,7 @@ class PrefillSender:
                 del self.rooms[r.room]
                 if r.handoff.state is S.FAILED:  # a late kv_req for it is answered at once
                     self.failed[r.room] = Doomed(r.handoff.reason, time.monotonic(), r.cause)
-                self.done.append(RoomDone(r.room, r.rid, r.handoff.state is S.SUCCESS,
+                self.done.append(HandoffDone(r.room, r.rid, r.handoff.state is S.SUCCESS,
                                           r.handoff.reason, r.aux, self._meta(r),
                                           {**r.stages, **transfer_stages(r.result)}))
         self._expire(now)

@@ -40,7 +40,7 @@ def require_pd(req: GenerateReq, role: str) -> None:
 
 
 def log_handoff(done) -> None:
-    """One line per finished handoff (RoomDone / DecodeDone): room, ranks, timings, cause."""
+    """One line per finished handoff (disagg.handoff.HandoffDone): room, ranks, timings, cause."""
     extra = fields(room=done.room, rid=done.rid, **{k: v for k, v in done.meta.items() if k != "bootstrap_room"})
     if done.ok:
         log.info("handoff ok", extra=extra)
