@@ -16,6 +16,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from cluster import Server  # noqa: E402
+from fault_tools import KnobServer  # noqa: E402
 from tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -28,8 +29,9 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(str(tmp_path_factory.mktemp("colocated_tiny")), max_context=CONTEXT)
 
 
-def start(model_dir: str, method: str, request) -> Server:
-    server = Server("colocated", model_dir, dp=2,
+def start(model_dir: str, method: str, request) -> KnobServer:
+    # knob workers: full speed, except while the DP-method test holds requests in flight
+    server = KnobServer("colocated", model_dir, dp=2,
                     extra=["--load-balance-method", method, "--max-total-tokens", "48000"])
     request.addfinalizer(server.stop)
     return server.wait_ready()
@@ -147,7 +149,7 @@ class Hold:
 
 
 @pytest.fixture
-def method_server(request, server, model_dir) -> tuple[str, Server]:
+def method_server(request, server, model_dir) -> tuple[str, KnobServer]:
     method = request.param
     return method, server if method == "round_robin" else start(model_dir, method, request)
 
@@ -156,6 +158,8 @@ def method_server(request, server, model_dir) -> tuple[str, Server]:
 # finishes, then H2, H3, H4 (cost ~6000 each), all in flight while the load is read.
 # round_robin ignores the load (rank 0 gets H1, H2, H4); shortest_queue balances requests (ties
 # by tokens); minimum_tokens balances tokens (H2..H4 together cost less than H1).
+# The workers sleep before each step meanwhile, so no hold can reach its max_new_tokens (and
+# leave its worker while the front, blocked on the unread stream, still counts it) on a slow CI.
 EXPECTED = {"round_robin": [3, 1], "shortest_queue": [2, 2], "minimum_tokens": [1, 3]}
 
 
@@ -165,6 +169,7 @@ def test_dp_methods_spread_load_as_they_say(method_server):
     assert s.info()["load_balance_method"] == method
     s.wait_idle()
     holds = []
+    s.slow(step_s=0.005)  # >= 30 s before a hold could finish its 6000 tokens
     try:
         holds.append(Hold(s.url, 13000, 6000))
         short = httpx.post(s.url + "/generate", json=gen_body([7, 8, 9], 2), timeout=60)
@@ -176,6 +181,7 @@ def test_dp_methods_spread_load_as_they_say(method_server):
         real = [w["running_requests"] + w["waiting_requests"] for w in workers]
         assert front == EXPECTED[method] and real == EXPECTED[method], (method, workers)
     finally:
+        s.slow(step_s=0.0)
         for h in holds:
             h.close()
     s.wait_idle(timeout=120)
