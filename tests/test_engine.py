@@ -329,24 +329,29 @@ def _reference_attention(q, pool_k, pool_v, slots_per_seq, new_lens):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", ["decode_small", "decode_large", "prefill_with_prefix"])
+@pytest.mark.parametrize("shape", ["decode_small", "decode_large", "prefill_with_prefix", "prefill_long"])
 def test_attention_paths_match_reference(dtype, shape):
     g = torch.Generator().manual_seed(0)
     page, hq, hkv, d = 4, 6, 2, 16
-    B = {"decode_small": 3, "decode_large": 11, "prefill_with_prefix": 4}[shape]
+    B = {"decode_small": 3, "decode_large": 11, "prefill_with_prefix": 4, "prefill_long": 2}[shape]
     seq_lens = torch.randint(5, 40, (B,), generator=g).tolist()
     new_lens = [1] * B if shape.startswith("decode") else [min(n, 1 + 3 * i) for i, n in enumerate(seq_lens)]
     if shape == "prefill_with_prefix":
         new_lens[-1] = seq_lens[-1]  # and one fresh prompt (no prefix: the is_causal path)
+    if shape == "prefill_long":  # fresh prompts on both sides of GEMM_PREFILL_MAX_LEN
+        seq_lens = new_lens = [300, 37]
     pool = KVPool(1, 128, page, hkv, d, dtype)
     perm = torch.randperm(128, generator=g).tolist()
-    rows = [perm[i * 12:(i + 1) * 12][:-(-n // page)] for i, n in enumerate(seq_lens)]
+    ends = torch.tensor([-(-n // page) for n in seq_lens]).cumsum(0).tolist()
+    rows = [perm[e - -(-n // page):e] for e, n in zip(ends, seq_lens)]
     slots = [torch.tensor([r[j // page] * page + j % page for j in range(n)]) for r, n in zip(rows, seq_lens)]
     for s in slots:  # cached prefix
         pool.k(0)[s] = torch.randn(len(s), hkv, d, generator=g).to(dtype)
         pool.v(0)[s] = torch.randn(len(s), hkv, d, generator=g).to(dtype)
     T = sum(new_lens)
-    q, k, v = (torch.randn(T, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
+    # slices of one fused projection, as the model passes them (not contiguous)
+    qkv = torch.randn(T, hq + 2 * hkv, d, generator=g).to(dtype)
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
     batch = AttnBatch.build(seq_lens, new_lens, rows, page)
     got = paged_attention(q, k, v, 0, batch, pool)
     want = _reference_attention(q, pool.k(0), pool.v(0), slots, new_lens)

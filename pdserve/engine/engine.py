@@ -135,8 +135,10 @@ class Engine:
 
     def _matmul_kernels(self, num_tokens: int):
         """A one-token step is matrix-vector products: on CPU PyTorch's own bf16 kernel streams
-        the weights ~1.5x faster than oneDNN's (SmolLM2, AVX512-BF16); oneDNN wins from two rows."""
-        if num_tokens != 1 or self.device.type != "cpu" or not torch.backends.mkldnn.enabled:
+        the weights ~1.5x faster than oneDNN's on plain weights (SmolLM2, AVX512-BF16); oneDNN
+        wins from two rows, and at every row count once the weights are packed."""
+        if num_tokens != 1 or self.device.type != "cpu" or self.model.packed or \
+                not torch.backends.mkldnn.enabled:
             return contextlib.nullcontext()
         return _onednn_off()
 
@@ -155,7 +157,7 @@ class Engine:
             return self._finish_prefill(batch, hidden)
         for seq in batch.seqs:
             seq.num_computed += 1
-        return self._sample_and_emit(batch.seqs, self.model.logits(hidden))
+        return self._sample_and_emit(batch.seqs, self.model.raw_logits(hidden))
 
     def _finish_prefill(self, batch: Batch, hidden: torch.Tensor) -> list[StepOutput]:
         done, rows, t = [], [], 0
@@ -176,7 +178,7 @@ class Engine:
             else:
                 sampling.append((seq, rows[done.index(seq)]))
         if sampling:
-            logits = self.model.logits(hidden[torch.tensor([r for _, r in sampling])])
+            logits = self.model.raw_logits(hidden[torch.tensor([r for _, r in sampling])])
             outs.extend(self._sample_and_emit([s for s, _ in sampling], logits))
         return outs
 
@@ -197,7 +199,7 @@ class Engine:
         tokens = sample(logits, [s.req.sampling for s in seqs], [s.generator for s in seqs])
         logprobs = None
         if any(s.req.return_logprob for s in seqs):
-            lp = torch.log_softmax(logits, dim=-1)
+            lp = torch.log_softmax(logits.float(), dim=-1)
             logprobs = lp.gather(1, tokens.view(-1, 1).to(lp.device)).view(-1).tolist()
         tokens = tokens.tolist()
         return [self._emit(s, tokens[i], logprobs[i] if logprobs else None)

@@ -57,9 +57,10 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device,
-               max_positions: int | None = None) -> tuple[CausalLM, ModelConfig]:
+               max_positions: int | None = None, pack: bool = True) -> tuple[CausalLM, ModelConfig]:
     """Build the model for `model_dir` and fill every weight; errors name the offending tensor.
-    `max_positions` bounds the RoPE table (default: the config's max_position_embeddings)."""
+    `max_positions` bounds the RoPE table (default: the config's max_position_embeddings);
+    `pack` packs the matmul weights for the CPU kernels where that is exact (model.pack_weights)."""
     cfg = ModelConfig.from_dir(model_dir)
     model = CausalLM(cfg, dtype, device, max_positions=max_positions)
     targets = weight_targets(model)
@@ -88,4 +89,6 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device,
         missing = sorted(targets)
         raise ValueError(f"{model_dir}: {len(missing)} weights missing, e.g. {missing[:3]}")
     model.eval()
+    if pack:
+        model.pack_weights()
     return model, cfg

@@ -2,8 +2,9 @@
 
 Tokens of all sequences in a step are one flat [T] batch; only attention needs to know which
 sequence a token belongs to, and `paged_attention` handles that from the `AttnBatch`.
-For speed, q/k/v are one matmul and gate/up another, and RoPE reads a precomputed cos/sin
-table by position, rotating q and k (adjacent in the fused output) in one go.
+For speed, q/k/v are one matmul and gate/up another, RoPE reads a precomputed cos/sin
+table by position, rotating q and k (adjacent in the fused output) in one go, and after loading
+the matmul weights may be packed into the CPU kernel's own layout (`pack_weights`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from ..model_files.hf_config import ModelConfig
 from .attention import AttnBatch, paged_attention
 from .kv_pool import KVPool
+from .linear import PackedLinear, PlainLinear, can_pack
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -80,26 +82,38 @@ class DecoderLayer(torch.nn.Module):
         self.post_norm = _param(h, dtype=dtype, device=device)
         self.gate_up_proj = _param(2 * cfg.intermediate_size, h, dtype=dtype, device=device)
         self.down_proj = _param(h, cfg.intermediate_size, dtype=dtype, device=device)
+        self._linears = ("qkv", "o", "gate_up", "down")
+        self.qkv = PlainLinear(self.qkv_proj, self.qkv_bias)
+        self.o = PlainLinear(self.o_proj, self.o_bias)
+        self.gate_up = PlainLinear(self.gate_up_proj)
+        self.down = PlainLinear(self.down_proj)
+
+    def pack_weights(self) -> None:
+        """Swap each matmul for a PackedLinear and free the plain copy of its weight."""
+        for name in self._linears:
+            plain = getattr(self, name)
+            setattr(self, name, PackedLinear(plain.weight, plain.bias))
+            plain.weight.data = plain.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: AttnBatch, pool: KVPool) -> torch.Tensor:
         """x [T, hidden] is the residual stream; updated in place and returned."""
         T = x.shape[0]
-        qkv = F.linear(rms_norm(x, self.input_norm, self.eps), self.qkv_proj, self.qkv_bias)
+        qkv = self.qkv(rms_norm(x, self.input_norm, self.eps))
         n_qk = self.n_q + self.n_kv
         qk = apply_rope(qkv[:, : n_qk * self.d].view(T, n_qk, self.d), cos, sin)
         v = qkv[:, n_qk * self.d:].view(T, self.n_kv, self.d)
         attn = paged_attention(qk[:, : self.n_q], qk[:, self.n_q:], v, self.index, batch, pool)
-        x.add_(F.linear(attn, self.o_proj, self.o_bias))
-        gate_up = F.linear(rms_norm(x, self.post_norm, self.eps), self.gate_up_proj)
+        x.add_(self.o(attn))
+        gate_up = self.gate_up(rms_norm(x, self.post_norm, self.eps))
         gate, up = gate_up.chunk(2, dim=-1)
-        x.add_(F.linear(F.silu(gate).mul_(up), self.down_proj))
+        x.add_(self.down(F.silu(gate).mul_(up)))
         return x
 
 
 class CausalLM(torch.nn.Module):
     """forward(ids, positions, batch, pool) -> final-normed hidden [T, hidden];
-    logits(hidden) -> float32 [N, vocab]. Weights are left uninitialized: use loader.load_model."""
+    logits(hidden) -> float32 [N, vocab]; raw_logits(hidden) -> the same in the model's dtype. Weights are left uninitialized: use loader.load_model."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int | None = None):
         super().__init__()
@@ -110,6 +124,8 @@ class CausalLM(torch.nn.Module):
         self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else \
             _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.head = PlainLinear(self.lm_head)
+        self.packed = False
         cos, sin = rope_table(cfg, max_positions or cfg.max_position_embeddings, dtype, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -126,4 +142,23 @@ class CausalLM(torch.nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.head(hidden).float()
+
+    @torch.inference_mode()
+    def raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Unconverted: greedy argmax needs no float32 copy (32 x 49k rows: ~2 ms a step)."""
+        return self.head(hidden)
+
+    @torch.no_grad()
+    def pack_weights(self) -> bool:
+        """After loading: pack every matmul weight where `can_pack` (the embedding stays plain;
+        a tied lm_head gets its own packed copy). True if packed; idempotent."""
+        if self.packed or not can_pack(self.dtype, self.embed_tokens.device):
+            return self.packed
+        for layer in self.layers:
+            layer.pack_weights()
+        self.head = PackedLinear(self.lm_head)
+        if self.lm_head is not self.embed_tokens:
+            self.lm_head.data = self.lm_head.data.new_empty(0)
+        self.packed = True
+        return True
