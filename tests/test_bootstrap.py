@@ -260,6 +260,10 @@ def test_query_batching_found_failed_absent(serve, client, http):
     ("POST", "/query_dp_ranks", {"bootstrap_rooms": [True]}),
     ("POST", "/query_dp_ranks", {"bootstrap_rooms": list(range(MAX_QUERY_ROOMS + 1))}),
     ("POST", "/query_dp_ranks", b""),
+    ("POST", "/fail_room", {"bootstrap_room": 1}),
+    ("POST", "/fail_room", {"bootstrap_room": 1, "reason": "  "}),
+    ("POST", "/fail_room", {"bootstrap_room": -1, "reason": "x"}),
+    ("POST", "/fail_room", {"bootstrap_room": 1, "reason": 7}),
 ])
 def test_bad_inputs_are_400_json(serve, http, method, path, payload):
     table = BootstrapTable(dp_size=2)
@@ -299,6 +303,8 @@ def test_token_guards_write_routes(serve, http):
         r = http.post(f"{base}/register_dp_rank", json={"bootstrap_room": 1, "dp_rank": 0},
                       headers=headers)
         assert r.status_code == 401
+        r = http.post(f"{base}/fail_room", json={"bootstrap_room": 1, "reason": "x"}, headers=headers)
+        assert r.status_code == 401
     assert not table.ready and len(table) == 0
     with BootstrapClient(timeout=5.0, token="s3cret") as authed:
         authed.register_rank(srv.addr, rank_info(0, dp_size=1), deadline_s=5)
@@ -307,6 +313,21 @@ def test_token_guards_write_routes(serve, http):
     assert http.get(f"{base}/route?prefill_dp_rank=-1").status_code == 200
     assert http.post(f"{base}/query_dp_ranks", json={"bootstrap_rooms": [1]}).json() == {"1": 0}
     assert http.get(f"{base}/health").json()["instance_id"] == table.instance_id
+
+
+def test_fail_room_reaches_the_handler_naming_the_room(serve, client):
+    table = BootstrapTable(dp_size=1)
+    got: list[tuple[int, str]] = []
+    srv = serve(table, on_room_failed=lambda room, reason: got.append((room, reason)))
+    client.fail_room(srv.addr, 42, "room 42: prefill uses 'mooncake', this decode uses 'tcp'")
+    client.fail_room(srv.addr, 43, "x" * 5000)
+    assert got[0] == (42, "the decode side gave up the room: room 42: prefill uses 'mooncake', "
+                          "this decode uses 'tcp'")
+    assert got[1][0] == 43 and got[1][1].startswith("the decode side gave up the room: room 43: xxx")
+    assert len(got[1][1]) < 2100  # bounded
+    plain = serve(table)  # without a handler the table records it failed
+    client.fail_room(plain.addr, 44, "room 44: gone")
+    assert table.lookup([44]) == ({}, {44: "the decode side gave up the room: room 44: gone"})
 
 
 def test_restarted_prefill_invalidates_cache(serve, client):

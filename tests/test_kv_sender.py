@@ -324,6 +324,19 @@ def test_room_marked_failed_fails_decode_at_once(link, when):
     assert not pdone.ok and pdone.reason == CONFLICT
 
 
+def test_room_in_progress_marked_failed_ends_now_and_frees(link):
+    """The decode gave the room up through the bootstrap service (no kv_req will ever come):
+    the prefill's room ends at once with that reason, not at its bootstrap deadline."""
+    gave_up = f"the decode side gave up the room: room {ROOM}: other transfer backend"
+    link.sender.accept(ROOM, "p-1", PROMPT)
+    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    assert link.sender.poll() == [] and link.sender.inflight() == 1
+    link.sender.mark_failed(ROOM, gave_up)
+    [pdone] = link.sender.poll()
+    assert not pdone.ok and pdone.reason == gave_up
+    assert link.sender.inflight() == 0
+
+
 # ---- incompatible legs ------------------------------------------------------------------------
 @pytest.mark.parametrize("key,value", [("page_size", 8), ("kv_dtype", "bfloat16"),
                                        ("fingerprint", {**FP, "num_layers": 3})])

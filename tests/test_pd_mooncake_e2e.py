@@ -30,7 +30,7 @@ if (_problem := import_problem()) is not None:
 
 MOONCAKE = ["--transfer-backend", "mooncake"]
 PROMPTS = ["The capital of France is", "hello world " * 9, "a", "Once upon a time, in a land far away, " * 3]
-P1_BOOTSTRAP_TIMEOUT = 12  # how long p1 waits for a kv_req that a mismatched decode never sends
+P1_BOOTSTRAP_TIMEOUT = 120  # p1's wait for a kv_req: a mismatched decode must not make it wait that long
 
 
 @pytest.fixture(scope="module")
@@ -119,15 +119,18 @@ def test_mooncake_concurrent_requests_and_batch(servers):
 
 def test_backend_mismatch_fails_both_legs_clearly(servers):
     """Prefill on mooncake, decode on tcp: the decode refuses the prefill's endpoint before any
-    I/O and says why; the prefill never gets a kv_req and fails the room by its deadline."""
+    I/O and says why; no kv_req can reach the prefill, so the decode gives the room up through
+    the bootstrap service and the prefill frees it long before its bootstrap deadline."""
     P, D = servers["p1"], servers["d_tcp"]
     body = pd_body({"text": PROMPTS[0], "sampling_params": greedy()}, P, random.getrandbits(63))
     room = str(body["bootstrap_room"])
+    started = time.monotonic()
     rp, rd = run(post_both(P, D, body, timeout=P1_BOOTSTRAP_TIMEOUT + 60))
+    assert time.monotonic() - started < P1_BOOTSTRAP_TIMEOUT / 2
     msg = error_message(rd)
     assert room in msg and "transfer backend 'mooncake'" in msg and "'tcp'" in msg, msg
     msg = error_message(rp)
-    assert room in msg and "kv_req" in msg, msg
+    assert room in msg and "decode side gave up" in msg and "'tcp'" in msg, msg
     assert_idle(P, D)
     # both keep serving their own kind
     body = pd_body({"text": PROMPTS[1], "sampling_params": greedy()}, P, random.getrandbits(63))

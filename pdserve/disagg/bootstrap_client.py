@@ -116,6 +116,11 @@ class BootstrapClient:
         self._json("POST", addr, "/register_dp_rank", timeout=self.timeout,
                    json={"bootstrap_room": room, "dp_rank": rank})
 
+    def fail_room(self, addr: str, room: int, reason: str) -> None:
+        """POST /fail_room: this decode cannot take `room`'s KV; the prefill frees it at once."""
+        self._json("POST", addr, "/fail_room", timeout=self.timeout,
+                   json={"bootstrap_room": room, "reason": reason})
+
     def get_topology(self, addr: str, *, deadline_s: float | None = None,
                      max_age_s: float | None = None) -> Topology:
         """The cached topology of `addr`, fetched (retrying on 503 until `deadline_s`) on a miss.

@@ -2,8 +2,11 @@
 
 Routes: PUT /route (a DP worker registers), GET /route?prefill_dp_rank=-1|K (topology | one
 rank's endpoint; 503 until every rank registered, or when that rank's worker is gone), POST
-/register_dp_rank, POST /query_dp_ranks, GET /health (instance_id; gone_ranks when a worker died). Runs on its own port inside the prefill front's event loop (`start_bootstrap_server`)
-or, for tests and tools, on a thread of its own (`serve_in_thread`).
+/register_dp_rank, POST /query_dp_ranks, POST /fail_room (a decode that cannot take a room's
+KV, e.g. on another transfer backend, says so: the prefill frees it now, not at its bootstrap
+deadline), GET /health (instance_id; gone_ranks when a worker died). Runs on its own port
+inside the prefill front's event loop (`start_bootstrap_server`) or, for tests and tools, on a
+thread of its own (`ThreadedBootstrap`).
 
 /query_dp_ranks answers {"<room>": rank, ...} and adds "failed": {"<room>": reason} only when a
 queried room was rejected, so a reply with no failures is exactly SGLang's shape.
@@ -25,6 +28,7 @@ from .bootstrap_table import BootstrapTable, RankInfo
 from .dp_rules import check_room
 
 MAX_QUERY_ROOMS = 4096
+MAX_REASON_CHARS = 2000
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -64,10 +68,13 @@ async def _json_object(request: web.Request) -> dict:
     return loads_object(await request.read(), f"{request.method} {request.path}: the body")
 
 
-def make_bootstrap_app(table: BootstrapTable, *, token: str = "") -> web.Application:
-    """The bootstrap service over `table`. With `token`, the two write routes need the Bearer token."""
+def make_bootstrap_app(table: BootstrapTable, *, token: str = "",
+                       on_room_failed: Callable[[int, str], None] | None = None) -> web.Application:
+    """The bootstrap service over `table`. With `token`, the write routes need the Bearer token.
+    `on_room_failed(room, reason)` handles POST /fail_room (default: record it failed in `table`)."""
     app = web.Application(middlewares=[_errors_as_json])
     auth = _require_token(token)
+    fail_room = on_room_failed or table.record_failed
 
     async def put_route(request: web.Request) -> web.Response:
         table.register_rank(RankInfo.from_json(await _json_object(request)))
@@ -102,6 +109,18 @@ def make_bootstrap_app(table: BootstrapTable, *, token: str = "") -> web.Applica
             reply["failed"] = {str(room): reason for room, reason in failed.items()}
         return web.json_response(reply)
 
+    async def fail_room_route(request: web.Request) -> web.Response:
+        body = await _json_object(request)
+        room = check_room(body.get("bootstrap_room"))
+        reason = body.get("reason")
+        if not isinstance(reason, str) or not reason.strip():
+            raise BadRequest("reason must be a non-empty string")
+        reason = reason[:MAX_REASON_CHARS]
+        if f"room {room}" not in reason:
+            reason = f"room {room}: {reason}"
+        fail_room(room, f"the decode side gave up the room: {reason}")
+        return web.json_response({"status": "ok"})
+
     async def health(request: web.Request) -> web.Response:
         reply: dict = {"status": "ok", "instance_id": table.instance_id}
         gone = table.gone_ranks()
@@ -113,6 +132,7 @@ def make_bootstrap_app(table: BootstrapTable, *, token: str = "") -> web.Applica
     app.router.add_get("/route", get_route)
     app.router.add_post("/register_dp_rank", auth(register_dp_rank))
     app.router.add_post("/query_dp_ranks", query_dp_ranks)
+    app.router.add_post("/fail_room", auth(fail_room_route))
     app.router.add_get("/health", health)
     return app
 
@@ -129,10 +149,11 @@ class RunningBootstrap:
         await self.runner.cleanup()
 
 
-async def start_bootstrap_server(table: BootstrapTable, host: str, port: int, *,
-                                 token: str = "") -> RunningBootstrap:
+async def start_bootstrap_server(table: BootstrapTable, host: str, port: int, *, token: str = "",
+                                 on_room_failed: Callable[[int, str], None] | None = None) -> RunningBootstrap:
     """Serve the bootstrap app on host:port in the running event loop."""
-    runner = web.AppRunner(make_bootstrap_app(table, token=token), access_log=None)
+    runner = web.AppRunner(make_bootstrap_app(table, token=token, on_room_failed=on_room_failed),
+                           access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:
@@ -147,14 +168,16 @@ class ThreadedBootstrap:
     """The bootstrap service on a daemon thread with its own event loop; `stop()` joins it."""
 
     def __init__(self, table: BootstrapTable, host: str = "127.0.0.1", port: int = 0, *,
-                 token: str = "", start_timeout: float = 10.0):
+                 token: str = "", start_timeout: float = 10.0,
+                 on_room_failed: Callable[[int, str], None] | None = None):
         self.table = table
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="bootstrap-http",
                                         daemon=True)
         self._thread.start()
         fut = asyncio.run_coroutine_threadsafe(
-            start_bootstrap_server(table, host, port, token=token), self._loop)
+            start_bootstrap_server(table, host, port, token=token, on_room_failed=on_room_failed),
+            self._loop)
         try:
             self._server = fut.result(timeout=start_timeout)
         except BaseException:

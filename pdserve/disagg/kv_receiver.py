@@ -57,13 +57,15 @@ class DecodeReceiver:
                  cancel_resolve: Callable[[str, int], None],
                  reserve: Callable[[str, int], list[int] | None], waiting_timeout: float,
                  wake: Callable[[], None] = lambda: None, threads: int = 2,
-                 abort_grace: float = 5.0, invalidate: Callable[[str], None] = lambda addr: None):
+                 abort_grace: float = 5.0, invalidate: Callable[[str], None] = lambda addr: None,
+                 give_up: Callable[[str, int, str], None] = lambda addr, room, reason: None):
         self.backend = backend
         self.dp_rank = dp_rank
         self.local = local  # page_size, kv_dtype, fingerprint, backend, layout, endpoint
         self.resolve = resolve
         self.cancel_resolve = cancel_resolve
         self.invalidate = invalidate  # forget what is cached about a prefill address
+        self.give_up = give_up  # (addr, room, reason): tell a prefill we cannot reach that the room is off
         self.reserve = reserve
         self.waiting_timeout = waiting_timeout
         self.abort_grace = abort_grace  # how long an unanswered kv_abort keeps the pages
@@ -158,10 +160,12 @@ class DecodeReceiver:
             return
         theirs = res.info.transfer_backend if res.info is not None else self.local["backend"]
         if theirs != self.local["backend"]:
-            self._fail(r, f"room {r.room}: prefill {r.addr} dp_rank {res.rank} uses transfer backend "
-                          f"{theirs!r}, this decode (dp_rank {self.dp_rank}) uses {self.local['backend']!r}: "
-                          "start both with the same --transfer-backend", FailureCause.INCOMPATIBLE,
-                       tell_prefill=False)
+            reason = (f"room {r.room}: prefill {r.addr} dp_rank {res.rank} uses transfer backend "
+                      f"{theirs!r}, this decode (dp_rank {self.dp_rank}) uses {self.local['backend']!r}: "
+                      "start both with the same --transfer-backend")
+            self._fail(r, reason, FailureCause.INCOMPATIBLE, tell_prefill=False)
+            # no kv_abort can cross backends: the bootstrap service frees the prefill's pages
+            self.pool.submit(self.give_up, r.addr, r.room, reason)
             return
         r.resolved, r.resolved_at = res, time.monotonic()
         r.stages[Stage.TOPOLOGY_LOOKUP.value] = res.topology_at

@@ -98,8 +98,13 @@ class PrefillSender:
             self._fail(r, reason, cause)
 
     def mark_failed(self, room: int, reason: str) -> None:
-        """The front rejected `room`: a kv_req for it (queued or later) is answered with `reason`."""
-        self._doom(room, reason, rejection_cause(reason))
+        """The front failed `room` (rejected it, or its decode gave it up): the room ends here if
+        it is in progress, and a kv_req for it (queued or later) is answered with `reason`."""
+        cause = rejection_cause(reason)
+        r = self.rooms.get(room)
+        if r is not None and not r.handoff.done:
+            self._fail(r, reason, cause)
+        self._doom(room, reason, cause)
 
     def _doom(self, room: int, reason: str, cause: FailureCause) -> None:
         """Remember that `room` cannot succeed here; tell a decode whose kv_req is queued."""

@@ -55,7 +55,7 @@ class PrefillFrontRole(FrontRole):
 
     async def before_workers(self) -> None:
         self.bootstrap = await start_bootstrap_server(self.table, self.cfg.host, self.cfg.bootstrap_port,
-                                                      token=self.token)
+                                                      token=self.token, on_room_failed=self.fail_room)
         log.info("bootstrap service on %s:%d", self.cfg.host, self.bootstrap.port)
         if not self.token and self.cfg.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("bootstrap service on %s without --bootstrap-token: anyone who reaches it can "
@@ -89,9 +89,15 @@ class PrefillFrontRole(FrontRole):
             room = it.pd.bootstrap_room
             if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 1 << 63:
                 continue
-            self.table.record_failed(room, reason)
-            for rank in range(self.cfg.dp_size):
-                self.notify(rank, RoomFailedNotice(room, reason))
+            self.fail_room(room, reason)
+
+    def fail_room(self, room: int, reason: str) -> None:
+        """Record `room` failed and tell every worker: one holding it ends it (frees its pages),
+        the others refuse a later kv_req for it with `reason`."""
+        log.warning("room %d failed: %s", room, reason)
+        self.table.record_failed(room, reason)
+        for rank in range(self.cfg.dp_size):
+            self.notify(rank, RoomFailedNotice(room, reason))
 
     def worker_gone(self, rank: int, reason: str) -> None:
         """A prefill worker died: its bootstrap /health and route say so, and a decode waiting for

@@ -6,6 +6,8 @@ KV; on success the request joins the engine's running batch from the prefill's f
 
 from __future__ import annotations
 
+import logging
+
 from ..core.errors import PDServeError
 from ..core.messages import GenerateReq, TokenOutput
 from ..disagg.bootstrap_client import BootstrapClient, bootstrap_addr
@@ -18,18 +20,21 @@ from .pd_common import log_handoff, require_pd, start_backend
 from .pump import MessagePump
 from .role import WorkerRole, error_output, to_token_output
 
+log = logging.getLogger(__name__)
+
 
 class DecodeRole(WorkerRole):
     def start(self) -> dict:
         envs, cfg = self.ctx.envs, self.ctx.cfg
         self.backend, self.local = start_backend(self.ctx)
-        self.client = BootstrapClient(timeout=envs.topology_timeout)
+        self.client = BootstrapClient(timeout=envs.topology_timeout,
+                                      token=cfg.bootstrap_token or envs.bootstrap_token)
         self.pending: dict[int, GenerateReq] = {}  # room -> request, until its KV arrived
         self.rooms: dict[str, int] = {}  # rid -> room
         self.receiver = DecodeReceiver(
             self.backend, self.dp_rank, self.local, resolve=self._resolve, cancel_resolve=self._cancel,
             reserve=self.engine.reserve, waiting_timeout=envs.waiting_timeout, wake=self.ctx.wake,
-            invalidate=self.client.invalidate)
+            invalidate=self.client.invalidate, give_up=self._give_up)
         self.resolver = RankResolver(
             self.client, decode_force=cfg.force_query_prefill_dp_rank or envs.force_query_prefill_dp_rank,
             topology_timeout=envs.topology_timeout, query_timeout=envs.dp_rank_query_timeout,
@@ -44,6 +49,14 @@ class DecodeRole(WorkerRole):
     def _on_resolved(self, res) -> None:
         self.heartbeat.note_instance(res.addr, res.instance_id)  # a restart after this is noticed
         self.receiver.on_resolved(res)
+
+    def _give_up(self, addr: str, room: int, reason: str) -> None:
+        """Best effort (receiver thread): without it the prefill keeps the room to its deadline."""
+        try:
+            self.client.fail_room(addr, room, reason)
+        except PDServeError as e:
+            log.warning("room %d: could not tell prefill %s that this decode gave it up: %s",
+                        room, addr, e, extra={"room": room})
 
     def _resolve(self, addr: str, room: int, hint: int | None) -> None:
         self.resolver.resolve(addr, room, hint)
