@@ -412,3 +412,54 @@ def test_tcp_stalled_peer_hits_io_deadline():
         for s in conns:
             s.close()
         lst.close()
+
+
+def test_tcp_read_frame_survives_short_reads_and_reports_eof():
+    """recv_exact's fast path (one recv_into) falls back on a short read; EOF is clean or an error."""
+    from pdserve.transfer.tcp_wire import HDR, Frame, read_frame
+
+    a, b = socket.socketpair()
+    try:
+        b.settimeout(5.0)  # non-blocking fd underneath: MSG_WAITALL may return a partial read
+        frame = HDR.pack(Frame.MSG, 7, 12345)
+        a.sendall(frame[:5])
+        t = threading.Timer(0.1, a.sendall, args=(frame[5:],))
+        t.start()
+        assert read_frame(b) == (Frame.MSG, 7, 12345)
+        t.join()
+        a.sendall(frame[:3])
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(ConnectionError, match="middle of a frame"):
+            read_frame(b, eof_ok=True)
+    finally:
+        a.close()
+        b.close()
+    a, b = socket.socketpair()
+    a.close()
+    try:
+        assert read_frame(b, eof_ok=True) is None
+    finally:
+        b.close()
+
+
+def test_tcp_socket_buffers_follow_the_peer_host():
+    """Same-host connections get local_sockbuf_bytes on both ends, others sockbuf_bytes."""
+    same = TcpBackend._same_host
+    assert same("127.0.0.1", "10.1.2.3") and same("::1", "10.1.2.3") and same("10.1.2.3", "10.1.2.3")
+    assert not same("10.1.2.4", "10.1.2.3") and not same("somehost", "10.1.2.3")
+    a, b = TcpBackend(local_sockbuf_bytes=192 << 10), TcpBackend(local_sockbuf_bytes=192 << 10)
+    try:
+        a.start(Pool(2, 8, 128, seed=7).layout)
+        b_ep = b.start(Pool(2, 8, 128).layout)
+        a.send(b_ep, {"x": 1})
+        assert recv_until(b, 1)
+        out = next(iter(a._out.values())).sock
+        inbound = next(iter(b._inbound))
+        for s in (out, inbound):  # Linux reports twice the size set (bookkeeping overhead)
+            assert s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == 2 * (192 << 10)
+            assert s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * (192 << 10)
+        # the listener keeps the big buffers: they set the window scale a remote peer needs
+        assert b._listener.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) > 2 * (192 << 10)
+    finally:
+        a.close()
+        b.close()

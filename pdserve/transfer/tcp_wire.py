@@ -60,17 +60,32 @@ def recv_scatter(sock: socket.socket, views: list[memoryview], eof_ok: bool = Fa
     return True
 
 
+def recv_exact(sock: socket.socket, buf: bytearray, eof_ok: bool = False) -> bool:
+    """Fill a small buffer: one recv_into in the usual case (a header, a run table, a message),
+    recv_scatter for the rest of a short read. False on a clean EOF before the first byte when eof_ok."""
+    if not buf:
+        return True
+    got = sock.recv_into(buf, len(buf), socket.MSG_WAITALL)
+    if got == len(buf):
+        return True
+    if got == 0 and eof_ok:
+        return False
+    if got == 0:
+        raise ConnectionError("connection closed in the middle of a frame")
+    return recv_scatter(sock, [memoryview(buf)[got:]])
+
+
 def read_frame(sock: socket.socket, eof_ok: bool = False) -> tuple[int, int, int] | None:
     """(kind, count, nbytes) of the next frame; None on a clean EOF when eof_ok."""
     hdr = bytearray(HDR.size)
-    return HDR.unpack(hdr) if recv_scatter(sock, [memoryview(hdr)], eof_ok) else None
+    return HDR.unpack(hdr) if recv_exact(sock, hdr, eof_ok) else None
 
 
 def read_dict(sock: socket.socket, nbytes: int) -> dict:
     if nbytes > MAX_MSG_BYTES:
         raise ValueError(f"control frame of {nbytes} bytes exceeds {MAX_MSG_BYTES}")
     buf = bytearray(nbytes)
-    recv_scatter(sock, [memoryview(buf)])
+    recv_exact(sock, buf)
     return decode_msg(buf)
 
 
@@ -93,7 +108,7 @@ def read_runs(sock: socket.socket, count: int, nbytes: int) -> list[tuple[int, i
     if count > RUNS_PER_WRITE:
         raise ValueError(f"write frame with {count} runs (max {RUNS_PER_WRITE})")
     table = bytearray(count * RUN.size)
-    recv_scatter(sock, [memoryview(table)])
+    recv_exact(sock, table)
     runs = list(RUN.iter_unpack(table))
     if sum(r[2] for r in runs) != nbytes:
         raise ValueError(f"write frame announces {nbytes} bytes but its runs hold {sum(r[2] for r in runs)}")
