@@ -5,7 +5,8 @@
 127.0.0.1. Each round sends the same requests to every target in a rotating order: "direct"
 posts straight to the decode stub (a router that costs nothing), the routers post to both legs.
 It prints per-target medians over rounds of p50/p99/req/s, the added latency over direct, and
-pdserve/sglang ratios measured in this one run.
+pdserve/sglang ratios measured in this one run. `--client-ab` instead compares the router's leg
+client (pdserve/router/http1.py) with aiohttp's client, alone in this process against one stub.
 """
 
 from __future__ import annotations
@@ -159,6 +160,79 @@ async def bench(targets: dict[str, str], body: bytes, args: argparse.Namespace) 
     return results
 
 
+async def client_round(kind: str, url: str, body: bytes, requests: int, concurrency: int) -> tuple[float, float]:
+    """(req/s, CPU µs per request of this process) posting `body` with one leg client kind.
+
+    "aiohttp" is set up as the router's legs were before http1.py (pooled, no limit, no cookie jar).
+    """
+    from pdserve.router.http1 import Http1Pool
+
+    todo = iter(range(requests))
+    headers = {"Content-Type": "application/json"}
+    if kind == "aiohttp":
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
+                                        cookie_jar=aiohttp.DummyCookieJar())
+
+        async def post() -> None:
+            async with session.post(url + "/generate", data=body, headers=headers) as resp:
+                await resp.read()
+    else:
+        pool = Http1Pool(url, 4.0, 10.0)
+        head = pool.cached_head("/generate", headers)
+
+        async def post() -> None:
+            resp = await pool.post(head, body)
+            await resp.read()
+            resp.close()
+
+    async def worker() -> None:
+        for _ in todo:
+            await post()
+
+    try:
+        await asyncio.gather(*(worker() for _ in range(concurrency)))  # connect outside the timing
+        todo = iter(range(requests))
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    finally:
+        if kind == "aiohttp":
+            await session.close()
+        else:
+            pool.close()
+    return requests / wall, 1e6 * cpu / requests
+
+
+def client_ab(args: argparse.Namespace, body: bytes) -> None:
+    """A/B of the router's leg client (http1.py) against aiohttp's client, alone against one stub."""
+    try:
+        import uvloop
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    procs: list[Process] = []
+    try:
+        decode = start_stub(procs, "decode")
+        results: dict[str, list[tuple[float, float]]] = {"aiohttp": [], "http1": []}
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(client_round("http1", decode, body, args.warmup, args.concurrency))
+            for r in range(args.rounds):
+                for kind in (["aiohttp", "http1"] if r % 2 == 0 else ["http1", "aiohttp"]):
+                    results[kind].append(runner.run(client_round(kind, decode, body, args.requests,
+                                                                 args.concurrency)))
+    finally:
+        for proc in procs:
+            proc.stop()
+    print(f"\nleg client A/B: {args.rounds} rounds x {args.requests} POSTs to one stub, concurrency "
+          f"{args.concurrency} (medians; CPU is this process: client + load loop)")
+    med = {k: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for k, v in results.items()}
+    for kind, (rps, cpu) in med.items():
+        print(f"{kind:<10}{rps:>9.0f} req/s{cpu:>9.1f} CPU us/request")
+    ratio = statistics.median(h[1] / a[1] for h, a in zip(results["http1"], results["aiohttp"]))
+    print(f"http1/aiohttp CPU per request, same-round median: x{ratio:.2f}")
+    print("JSON " + json.dumps({"medians": med, "cpu_ratio_http1_over_aiohttp": ratio}))
+
+
 def summarize(results: dict[str, list[RoundResult]]) -> dict:
     med = {name: {k: statistics.median(getattr(x, k) for x in rounds) for k in ("p50_ms", "p99_ms", "req_per_s")}
            for name, rounds in results.items()}
@@ -203,11 +277,16 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--stream", action="store_true", help="stream the replies (SSE)")
     p.add_argument("--no-sglang", action="store_true", help="skip sglang-router even if installed")
+    p.add_argument("--client-ab", action="store_true",
+                   help="instead: A/B of the router's leg client (http1.py) vs aiohttp's, against one stub")
     args = p.parse_args(argv)
     if not STUB.exists():
         sys.exit(f"router_bench needs the stub server at {STUB} (run from a source checkout)")
     body = json.dumps({"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8,
                        "temperature": 0}, "stream": args.stream}).encode()
+    if args.client_ab:
+        client_ab(args, body)
+        return
     procs: list[Process] = []
     try:
         prefill, decode = start_stub(procs, "prefill"), start_stub(procs, "decode")

@@ -1,7 +1,8 @@
 """The router process: aiohttp app (routes, auth, JSON errors, metrics), its lifecycle, and `run_router`.
 
-RouterApp owns one client session (pooled keep-alive connections to every upstream), the
-upstream pool, the health loop and the PD proxy; `serve()` runs it until SIGINT/SIGTERM.
+RouterApp owns the leg client (our keep-alive pools for the PD legs, an aiohttp session for
+health and info GETs), the upstream pool, the health loop and the PD proxy; `serve()` runs it
+until SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class RouterApp:
         headers = {"Content-Type": "application/json"}
         if cfg.api_key:
             headers["Authorization"] = f"Bearer {cfg.api_key}"
-        self.legs = LegClient(self.metrics, headers)
+        self.legs = LegClient(self.metrics, headers, UPSTREAM_KEEPALIVE_S, UPSTREAM_CONNECT_TIMEOUT_S)
         self.proxy = PDProxy(cfg, self.pool, self.legs, self.metrics, self._leg_connection_failed)
         self.session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
@@ -88,6 +89,7 @@ class RouterApp:
             self._health_task.cancel()
             await asyncio.wait([self._health_task])
         await self.proxy.close()
+        self.legs.close()
         if self.session is not None:
             await self.session.close()
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from .http1 import Http1Pool, Http1Response
 from .metrics import RouterMetrics
 from .pd_body import decode
 from .upstream import Upstream
@@ -59,6 +60,7 @@ def _connection_error(up: Upstream, exc: BaseException) -> LegError:
                     "upstream_connection_error")
 
 
+# OSError covers UpstreamClosed (a broken connection or a bad reply) and refused connects.
 _CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
 
 
@@ -72,14 +74,29 @@ class LegReply:
 class OpenStream:
     """A leg whose response headers (status < 400) and first body chunk have arrived."""
 
-    def __init__(self, client: "LegClient", up: Upstream, resp: aiohttp.ClientResponse, first: bytes, t0: float):
+    def __init__(self, client: "LegClient", up: Upstream, resp: Http1Response, first: bytes, t0: float):
         self.client, self.upstream, self.resp, self.first_chunk, self._t0 = client, up, resp, first, t0
         self._done = False
+
+    @property
+    def status(self) -> int:
+        return self.resp.status
+
+    @property
+    def content_type(self) -> str:
+        return self.resp.content_type or "text/event-stream"
+
+    def at_eof(self) -> bool:
+        return self.resp.at_eof()
+
+    def fail(self, exc: BaseException) -> None:
+        """Make the next next_chunk() raise `exc` at once (another leg failed)."""
+        self.resp.set_exception(exc)
 
     async def next_chunk(self) -> bytes:
         """The next piece of body as it arrives; b"" at the end. Raises LegError if it breaks."""
         try:
-            return await self.resp.content.readany()
+            return await self.resp.read_chunk()
         except _CONNECTION_ERRORS as exc:
             raise _connection_error(self.upstream, exc) from None
 
@@ -87,23 +104,30 @@ class OpenStream:
         """Release the leg; closes the connection unless the body was read to its end."""
         if not self._done:
             self._done = True
-            if not self.resp.content.at_eof():
-                self.resp.close()
-            else:
-                self.resp.release()
+            self.resp.close()
             self.client._finished(self.upstream, self._t0)
 
 
 class LegClient:
-    """HTTP to upstreams over one pooled session, which `use_session` hands in once the loop runs."""
+    """HTTP to upstreams: the PD legs over our own keep-alive pools (http1.py), one per upstream;
+    health and info GETs over the aiohttp session that `use_session` hands in once the loop runs."""
 
-    def __init__(self, metrics: RouterMetrics, headers: dict[str, str]):
+    def __init__(self, metrics: RouterMetrics, headers: dict[str, str], keepalive_s: float = 4.0,
+                 connect_timeout_s: float = 10.0):
         self._session: aiohttp.ClientSession | None = None
         self._metrics, self._headers = metrics, headers
+        self._keepalive_s, self._connect_timeout_s = keepalive_s, connect_timeout_s
         self._per_upstream: dict = {}  # url -> its latency histogram child
+        self._pools: dict[str, Http1Pool] = {}
 
     def use_session(self, session: aiohttp.ClientSession) -> None:
         self._session = session
+
+    def close(self) -> None:
+        """Close the idle leg connections (busy ones close with their legs)."""
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
 
     def _latency(self, up: Upstream):
         latency = self._per_upstream.get(up.url)
@@ -123,15 +147,24 @@ class LegClient:
         up.inflight -= 1
         self._latency(up).observe(time.perf_counter() - t0)
 
-    async def _post(self, up: Upstream, path: str, data: bytes, auth: str | None) -> aiohttp.ClientResponse:
-        headers = self._headers if auth is None else {**self._headers, "Authorization": auth}
+    def _pool(self, up: Upstream) -> Http1Pool:
+        pool = self._pools.get(up.url)
+        if pool is None:
+            pool = self._pools[up.url] = Http1Pool(up.url, self._keepalive_s, self._connect_timeout_s)
+        return pool
+
+    async def _post(self, up: Upstream, path: str, data: bytes, auth: str | None) -> Http1Response:
+        pool = self._pool(up)
+        # the client's own Authorization varies per client: build it each time, not in the cache
+        head = pool.cached_head(path, self._headers) if auth is None else \
+            pool.head(path, {**self._headers, "Authorization": auth})
         try:
-            return await self._session.post(up.url + path, data=data, headers=headers)
+            return await pool.post(head, data)
         except _CONNECTION_ERRORS as exc:
             self._metrics.upstream_errors.labels(up.role.value, up.url, "connection").inc()
             raise _connection_error(up, exc) from None
 
-    async def _status_error(self, up: Upstream, resp: aiohttp.ClientResponse) -> LegError:
+    async def _status_error(self, up: Upstream, resp: Http1Response) -> LegError:
         try:
             raw = await resp.read()
         except _CONNECTION_ERRORS:
@@ -154,9 +187,8 @@ class LegClient:
             except _CONNECTION_ERRORS as exc:
                 raise _connection_error(up, exc) from None
             finally:
-                if not resp.content.at_eof():
-                    resp.close()
-            return LegReply(resp.status, resp.headers.get("Content-Type", "application/json"), body)
+                resp.close()
+            return LegReply(resp.status, resp.content_type or "application/json", body)
         finally:
             self._finished(up, t0)
 

@@ -22,6 +22,7 @@ from aiohttp import web
 from pdserve.core.errors import Timeout, Unavailable
 
 from .config import RouterConfig
+from .deadline import Deadline
 from .legs import LegClient, LegError, OpenStream, cancel_task, consume
 from .metrics import RouterMetrics
 from .pd_body import RequestShape, encode, leg_bodies, merge_input_logprobs, mint_rooms
@@ -48,14 +49,17 @@ class PDProxy:
         self.cfg, self.pool, self.legs, self.metrics = cfg, pool, legs, metrics
         self.on_connection_failure = on_connection_failure
         self._background: set[asyncio.Task] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None  # bound on the first request
 
     async def handle(self, request: web.Request, body: dict, shape: RequestShape) -> web.StreamResponse:
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
         return await PDExchange(self, request, body, shape).run()
 
     def drain(self, task: asyncio.Task, deadline: float) -> None:
         """Let a prefill leg finish on its own (its reply is dropped), cancelled at the deadline."""
         self._background.add(task)
-        timer = asyncio.get_running_loop().call_at(deadline, task.cancel)
+        timer = self.loop.call_at(deadline, task.cancel)
 
         def done(t: asyncio.Task) -> None:
             timer.cancel()
@@ -74,7 +78,7 @@ class PDExchange:
         self.p, self.request, self.body, self.shape = proxy, request, body, shape
         self.response: web.StreamResponse | None = None  # set once decode's stream is committed
         self.where = ""  # room and servers of the current try, for error messages
-        self._timeout: asyncio.Timeout | None = None
+        self._timeout: Deadline | None = None
         self._deadline = 0.0
 
     async def run(self) -> web.StreamResponse:
@@ -82,8 +86,8 @@ class PDExchange:
         avoid: set[str] = set()
         last: LegError | None = None
         try:
-            async with asyncio.timeout(cfg.request_timeout_secs) as self._timeout:
-                self._deadline = asyncio.get_running_loop().time() + cfg.request_timeout_secs
+            async with Deadline(self.p.loop, cfg.request_timeout_secs) as self._timeout:
+                self._deadline = self._timeout.when
                 for attempt in range(1, cfg.max_tries + 1):
                     try:
                         pair = self.p.pool.pick_pair(frozenset(avoid))
@@ -141,9 +145,10 @@ class PDExchange:
                       f"{f' dp_rank {dp[0]}' if dp else ''}, decode {pair.decode.url}{f' dp_rank {dp[1]}' if dp else ''}")
         p_body, d_body = leg_bodies(self.body, pair.prefill.bootstrap_host, pair.prefill.bootstrap_port, rooms, dp)
         path, legs, auth = self.shape.route.value, self.p.legs, self._client_auth()
-        prefill = asyncio.create_task(legs.fetch(pair.prefill, path, p_body, auth))
+        loop = self.p.loop
+        prefill = loop.create_task(legs.fetch(pair.prefill, path, p_body, auth))
         open_decode = legs.open_stream if self.shape.stream else legs.fetch
-        decode = asyncio.create_task(open_decode(pair.decode, path, d_body, auth))
+        decode = loop.create_task(open_decode(pair.decode, path, d_body, auth))
         try:
             await self._until_decode_answers(prefill, decode)
         except LegError as err:
@@ -170,38 +175,52 @@ class PDExchange:
         consume(prefill)
         return web.Response(status=reply.status, body=body, headers={"Content-Type": reply.content_type})
 
-    @staticmethod
-    async def _until_decode_answers(prefill: asyncio.Task, decode: asyncio.Task) -> None:
+    async def _until_decode_answers(self, prefill: asyncio.Task, decode: asyncio.Task) -> None:
         """Wait for decode's answer; raise the first leg error of either side.
 
         A decode 5xx is often the echo of a prefill rejection (the prefill fails the room, the
         decode's handoff fails with it), so the prefill gets a short grace to report the cause.
         """
-        pending = {prefill, decode}
-        while decode in pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if prefill in done and prefill.exception() is not None:
+        while True:
+            if prefill.done() and prefill.exception() is not None:
                 raise prefill.exception()
-            err = decode.exception() if decode in done else None
-            if err is None:
-                continue
-            if prefill in pending and isinstance(err, LegError) and err.status >= 500:
+            if decode.done():
+                break
+            await self._either_done(prefill, decode)
+        err = decode.exception()
+        if err is not None:
+            if not prefill.done() and isinstance(err, LegError) and err.status >= 500:
                 await asyncio.wait({prefill}, timeout=PREFILL_VERDICT_GRACE_S)
                 if prefill.done() and isinstance(prefill.exception(), LegError):
                     raise prefill.exception()
             raise err
+
+    async def _either_done(self, a: asyncio.Task, b: asyncio.Task) -> None:
+        """Wait until a or b is done (asyncio.wait costs a getpid() syscall on Python 3.11)."""
+        waiter = self.p.loop.create_future()
+
+        def wake(_: asyncio.Task) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        a.add_done_callback(wake)
+        b.add_done_callback(wake)
+        try:
+            await waiter
+        finally:
+            a.remove_done_callback(wake)
+            b.remove_done_callback(wake)
 
     async def _stream(self, stream: OpenStream, prefill: asyncio.Task) -> web.StreamResponse:
         """Commit decode's status and pass its body on chunk by chunk."""
         def prefill_done(task: asyncio.Task) -> None:
             # A failed prefill wakes the decode read at once with the prefill's error.
             if not task.cancelled() and isinstance(task.exception(), LegError):
-                stream.resp.content.set_exception(task.exception())
+                stream.fail(task.exception())
 
         prefill.add_done_callback(prefill_done)
-        resp = web.StreamResponse(status=stream.resp.status, headers={
-            "Content-Type": stream.resp.headers.get("Content-Type", "text/event-stream"),
-            "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(status=stream.status, headers={
+            "Content-Type": stream.content_type, "Cache-Control": "no-cache"})
         try:
             await resp.prepare(self.request)
             self.response = resp
@@ -231,7 +250,7 @@ class PDExchange:
 
     async def _stop_streaming_legs(self, stream: OpenStream, prefill: asyncio.Task, reason: str) -> None:
         await self._cancel(prefill, "prefill", reason)
-        if not stream.resp.content.at_eof():  # closed by the caller's finally
+        if not stream.at_eof():  # closed by the caller's finally
             self.p.metrics.cancelled_legs.labels("decode", reason).inc()
 
     async def _write_stream_error(self, status: int, message: str, type: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from urllib.parse import urlparse
 
 from pdserve.core.config import Role
@@ -27,8 +28,8 @@ class Upstream:
     server_info: dict | None = None
     _next_dp_rank: int = 0
 
-    @property
-    def bootstrap_host(self) -> str:
+    @cached_property
+    def bootstrap_host(self) -> str:  # asked on every request: parse the URL once
         return urlparse(self.url).hostname or ""
 
     @property
