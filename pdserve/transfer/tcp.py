@@ -69,6 +69,9 @@ class TcpBackend(TransferBackend):
         self._lock = threading.Lock()  # guards _out, _inbound, _closed
         self._out: dict[tuple, _OutConn] = {}
         self._inbound: dict[socket.socket, threading.Thread] = {}
+        # every reader thread not yet known dead: close() joins them all, including one that
+        # already left _inbound but is still finishing (else "closed" would not be final)
+        self._readers: set[threading.Thread] = set()
         self._closed = False
         self._stop = threading.Event()
         self._listener: socket.socket | None = None
@@ -105,7 +108,7 @@ class TcpBackend(TransferBackend):
             if self._closed:
                 return
             self._closed = True
-            outs, inbound = list(self._out.values()), dict(self._inbound)
+            outs, inbound, readers = list(self._out.values()), dict(self._inbound), set(self._readers)
             self._out.clear()
         self._stop.set()
         self._inbox.close()  # wakes a blocked recv()
@@ -113,7 +116,7 @@ class TcpBackend(TransferBackend):
             self._shutdown(conn.sock)  # without the lock: a blocked sendall fails at once
         for sock in [self._listener, *inbound]:
             self._shutdown(sock)  # wakes accept() and recv_into() at once on Linux
-        for t in [self._acceptor, *inbound.values()]:
+        for t in [self._acceptor, *readers]:
             if t is not None and t is not threading.current_thread():
                 t.join(timeout=5.0)
                 if t.is_alive():
@@ -253,7 +256,9 @@ class TcpBackend(TransferBackend):
                     sock.close()
                     return
                 self._inbound[sock] = t
-            t.start()
+                self._readers = {r for r in self._readers if r.is_alive()}
+                self._readers.add(t)
+                t.start()  # under the lock: close() never sees (and joins) an unstarted thread
 
     def _serve(self, sock: socket.socket) -> None:
         sender = None
