@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -21,7 +20,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cluster  # noqa: E402
-from cluster import ROOT, Server, free_port  # noqa: E402
+from cluster import Server  # noqa: E402
+from fault_tools import Router, wait_for  # noqa: E402
 from tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -29,61 +29,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 PROMPTS = ["Hello world", "The capital of France is", "abc def ghi"]
 GREEDY = {"max_new_tokens": 12, "temperature": 0}
 NO_HANG_S = 15.0  # below FAST_ENV's 20 s handoff deadlines: an error slower than this was a hang
-
-
-class Router:
-    """`python -m pdserve router` on a free port in its own process group, stopped by pid."""
-
-    def __init__(self, prefills: list[Server], decodes: list[Server], *flags: str, log_dir: str):
-        self.port = free_port()
-        cmd = [sys.executable, "-m", "pdserve", "router", "--pd-disaggregation", "--host", "127.0.0.1",
-               "--port", str(self.port), "--log-level", "warning", *flags]
-        for p in prefills:
-            cmd += ["--prefill", p.url, str(p.bootstrap_port)]
-        for d in decodes:
-            cmd += ["--decode", d.url]
-        self.log_path = os.path.join(log_dir, f"router-{self.port}.log")
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env={**os.environ, "PYTHONPATH": ROOT}, start_new_session=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def wait_healthy(self, timeout: float = 60.0) -> "Router":
-        wait_for(lambda: self._health() == 200, timeout, f"router {self.url} healthy", self.tail)
-        return self
-
-    def _health(self) -> int:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"router exited ({self.proc.returncode}):\n{self.tail()}")
-        try:
-            return httpx.get(self.url + "/health", timeout=2).status_code
-        except httpx.HTTPError:
-            return 0
-
-    def tail(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()[-3000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
-        self.log.close()
-
-
-def wait_for(cond, timeout: float, what: str, detail=lambda: "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}\n{detail()}")
-        time.sleep(0.1)
 
 
 def sse(text: str) -> list[dict]:
