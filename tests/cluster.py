@@ -31,21 +31,34 @@ class Server:
 
     def __init__(self, role: str, model_dir: str, dp: int = 1, extra: list[str] | None = None,
                  env: dict | None = None, log_dir: str | None = None):
-        self.role, self.dp = role, dp
+        self.role, self.dp, self.model_dir = role, dp, model_dir
+        self._extra, self._env, self._log_dir = extra or [], env or {}, log_dir or "/tmp"
+        self._launches = 0
+        self._launch()
+
+    def _launch(self) -> None:
+        """Start on fresh free ports (again after a port was taken between pick and bind)."""
+        self._launches += 1
         self.port = free_port()
-        self.bootstrap_port = free_port() if role == "prefill" else None
-        args = [sys.executable, "-m", "pdserve", "serve", "--role", role, "--model", model_dir,
-                "--host", "127.0.0.1", "--port", str(self.port), "--dp-size", str(dp),
+        self.bootstrap_port = free_port() if self.role == "prefill" else None
+        args = [sys.executable, "-m", "pdserve", "serve", "--role", self.role, "--model", self.model_dir,
+                "--host", "127.0.0.1", "--port", str(self.port), "--dp-size", str(self.dp),
                 "--dtype", "float32", "--max-total-tokens", "2048", "--page-size", "4",
                 "--num-threads", "1", "--chunked-prefill-size", "64", "--log-level", "warning"]
         if self.bootstrap_port:
             args += ["--bootstrap-port", str(self.bootstrap_port)]
-        args += extra or []
-        full_env = {**os.environ, **FAST_ENV, **(env or {}), "PYTHONPATH": ROOT}
-        self.log_path = os.path.join(log_dir or "/tmp", f"pdserve-{role}-{self.port}.log")
+        args += self._extra
+        full_env = {**os.environ, **FAST_ENV, **self._env, "PYTHONPATH": ROOT}
+        self.log_path = os.path.join(self._log_dir, f"pdserve-{self.role}-{self.port}.log")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(args, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True, cwd=ROOT)
+
+    def _port_was_taken(self) -> bool:
+        """The server exited because another process bound its port after free_port() picked it
+        (ephemeral ports are shared with every outgoing connection on the machine)."""
+        return (type(self) is Server and self._launches < 3 and self.proc.poll() is not None
+                and "address already in use" in self.tail(80))
 
     @property
     def url(self) -> str:
@@ -54,6 +67,9 @@ class Server:
     def wait_ready(self, timeout: float = 180.0) -> "Server":
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if self._port_was_taken():
+                self.stop()
+                self._launch()
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.role} server exited ({self.proc.returncode}):\n{self.tail()}")
             try:

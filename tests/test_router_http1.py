@@ -226,6 +226,29 @@ def test_idle_connection_expires():
     run(main())
 
 
+def test_idle_connections_close_without_further_traffic():
+    """An idle pool closes its connections after keepalive_s on its own (the server would keep
+    them far longer), and a later request simply opens a new one."""
+    async def main():
+        server = RawServer(json_reply)
+        async with server as url:
+            pool = Http1Pool(url, 0.2, 5.0)
+            resps = [await pool.post(pool.head("/generate", HEADERS), b"1") for _ in range(3)]
+            for r in resps:
+                await r.read()
+                r.close()
+            assert len(pool._idle) == 3
+            await asyncio.wait_for(server.closed_by_client.wait(), 5.0)
+            await asyncio.sleep(0.1)
+            assert not pool._idle and pool._sweeper is None
+            resp = await pool.post(pool.head("/generate", HEADERS), b"1")
+            await resp.read()
+            resp.close()
+            pool.close()
+        assert server.connections == 4
+    run(main())
+
+
 def test_garbage_reply_and_refused_connection_are_connection_errors():
     async def garbage(reader, writer, head, body) -> bool:
         writer.write(b"NOT HTTP AT ALL\r\n\r\n")

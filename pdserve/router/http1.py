@@ -217,6 +217,7 @@ class Http1Pool:
         self._common = f"Host: {self.authority}\r\nUser-Agent: {user_agent}\r\n"
         self._heads: dict[tuple[str, str | None], bytes] = {}
         self._idle: list[_Connection] = []  # oldest first
+        self._sweeper: asyncio.TimerHandle | None = None  # closes idle connections past keepalive_s
 
     def head(self, path: str, headers: dict[str, str]) -> bytes:
         """The request head of a POST up to the Content-Length value."""
@@ -274,8 +275,18 @@ class Http1Pool:
     def _release(self, conn: _Connection) -> None:
         conn.idle_since = time.monotonic()
         self._idle.append(conn)
-        if conn.idle_since - self._idle[0].idle_since > self.keepalive_s:
-            self._idle[0].close()  # one expired connection at a time, oldest first
+        if self._sweeper is None:
+            self._sweeper = self.loop.call_later(self.keepalive_s, self._sweep)
+
+    def _sweep(self) -> None:
+        """Close the idle connections older than keepalive_s (the servers keep theirs far longer,
+        75 s for pdserve's: without this an idle router would hold its peak pool that long)."""
+        self._sweeper = None
+        now = time.monotonic()
+        while self._idle and now - self._idle[0].idle_since >= self.keepalive_s:
+            self._idle.pop(0).close()
+        if self._idle:
+            self._sweeper = self.loop.call_later(self._idle[0].idle_since + self.keepalive_s - now, self._sweep)
 
     def _forget(self, conn: _Connection) -> None:
         try:
@@ -284,6 +295,9 @@ class Http1Pool:
             pass
 
     def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for conn in list(self._idle):
             conn.close()
         self._idle.clear()
