@@ -30,18 +30,25 @@ class Server:
     """`pdserve serve` in its own process group; `stop()` kills the whole group."""
 
     def __init__(self, role: str, model_dir: str, dp: int = 1, extra: list[str] | None = None,
-                 env: dict | None = None, log_dir: str | None = None):
+                 env: dict | None = None, log_dir: str | None = None, port: int | None = None,
+                 bootstrap_port: int | None = None):
         self.role, self.dp, self.model_dir = role, dp, model_dir
         self._extra, self._env, self._log_dir = extra or [], env or {}, log_dir or "/tmp"
+        self._given_ports = (port, bootstrap_port)  # given ports are kept (a restart reuses them)
         self._launches = 0
         self._launch()
 
+    def _entry(self) -> list[str]:
+        """The command before the serve flags (subclasses start another front module)."""
+        return ["-m", "pdserve", "serve"]
+
     def _launch(self) -> None:
-        """Start on fresh free ports (again after a port was taken between pick and bind)."""
+        """Start on the given or fresh free ports (again after a port was taken before the bind)."""
         self._launches += 1
-        self.port = free_port()
-        self.bootstrap_port = free_port() if self.role == "prefill" else None
-        args = [sys.executable, "-m", "pdserve", "serve", "--role", self.role, "--model", self.model_dir,
+        port, bport = self._given_ports
+        self.port = port or free_port()
+        self.bootstrap_port = (bport or free_port()) if self.role == "prefill" else None
+        args = [sys.executable, *self._entry(), "--role", self.role, "--model", self.model_dir,
                 "--host", "127.0.0.1", "--port", str(self.port), "--dp-size", str(self.dp),
                 "--dtype", "float32", "--max-total-tokens", "2048", "--page-size", "4",
                 "--num-threads", "1", "--chunked-prefill-size", "64", "--log-level", "warning"]
@@ -49,15 +56,16 @@ class Server:
             args += ["--bootstrap-port", str(self.bootstrap_port)]
         args += self._extra
         full_env = {**os.environ, **FAST_ENV, **self._env, "PYTHONPATH": ROOT}
-        self.log_path = os.path.join(self._log_dir, f"pdserve-{self.role}-{self.port}.log")
+        self.log_path = os.path.join(self._log_dir,
+                                     f"pdserve-{self.role}-{self.port}-{time.monotonic_ns()}.log")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(args, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True, cwd=ROOT)
 
     def _port_was_taken(self) -> bool:
-        """The server exited because another process bound its port after free_port() picked it
-        (ephemeral ports are shared with every outgoing connection on the machine)."""
-        return (type(self) is Server and self._launches < 3 and self.proc.poll() is not None
+        """The server exited because another process bound its free port after free_port()
+        picked it (ephemeral ports are shared with every outgoing connection on the machine)."""
+        return (self._given_ports == (None, None) and self._launches < 3 and self.proc.poll() is not None
                 and "address already in use" in self.tail(80))
 
     @property

@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster import FAST_ENV, ROOT, Server, free_port  # noqa: E402
+from cluster import ROOT, Server, free_port  # noqa: E402
 from pdserve.disagg.handoff import HandoffState  # noqa: E402
 from tiny_model import make_tiny_model  # noqa: E402
 
@@ -85,27 +85,14 @@ class KnobServer(Server):
     def __init__(self, role: str, model_dir: str, dp: int = 1, extra: list[str] | None = None,
                  env: dict | None = None, log_dir: str | None = None, port: int | None = None,
                  bootstrap_port: int | None = None):
-        self.role, self.dp, self.model_dir = role, dp, model_dir
-        self.port = port or free_port()
-        self.bootstrap_port = (bootstrap_port or free_port()) if role == "prefill" else None
-        log_dir = log_dir or "/tmp"
-        self.control = os.path.join(log_dir, f"knobs-{role}-{self.port}.json")
+        self.control = os.path.join(log_dir or "/tmp", f"knobs-{role}-{time.monotonic_ns()}.json")
         self.slow()
-        args = [sys.executable, "-m", "pdserve.server.launch", "--model-dir", model_dir,
-                "--worker-module", "tests.slow_worker", "--start-timeout", "120",
-                "--role", role, "--model", model_dir, "--host", "127.0.0.1", "--port", str(self.port),
-                "--dp-size", str(dp), "--dtype", "float32", "--max-total-tokens", "2048",
-                "--page-size", "4", "--num-threads", "1", "--chunked-prefill-size", "64",
-                "--log-level", "warning"]
-        if self.bootstrap_port:
-            args += ["--bootstrap-port", str(self.bootstrap_port)]
-        args += extra or []
-        full_env = {**os.environ, **FAST_ENV, **(env or {}), "PYTHONPATH": ROOT,
-                    "SLOW_WORKER_CONTROL": self.control}
-        self.log_path = os.path.join(log_dir, f"pdserve-{role}-{self.port}-{time.monotonic_ns()}.log")
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(args, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=ROOT)
+        super().__init__(role, model_dir, dp, extra, {**(env or {}), "SLOW_WORKER_CONTROL": self.control},
+                         log_dir, port, bootstrap_port)
+
+    def _entry(self) -> list[str]:
+        return ["-m", "pdserve.server.launch", "--model-dir", self.model_dir,
+                "--worker-module", "tests.slow_worker", "--start-timeout", "120"]
 
     def slow(self, step_s: float = 0.0, transfer_s: float = 0.0) -> None:
         """Set the workers' fault-window knobs (read before their next step or write)."""
