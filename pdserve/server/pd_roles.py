@@ -89,12 +89,16 @@ class PrefillFrontRole(FrontRole):
             room = it.pd.bootstrap_room
             if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 1 << 63:
                 continue
-            self.fail_room(room, reason)
+            self._fail_everywhere(room, reason)  # dispatch() logged it
 
     def fail_room(self, room: int, reason: str) -> None:
+        """POST /fail_room: a decode gave `room` up."""
+        log.warning("room %d failed: %s", room, reason)
+        self._fail_everywhere(room, reason)
+
+    def _fail_everywhere(self, room: int, reason: str) -> None:
         """Record `room` failed and tell every worker: one holding it ends it (frees its pages),
         the others refuse a later kv_req for it with `reason`."""
-        log.warning("room %d failed: %s", room, reason)
         self.table.record_failed(room, reason)
         for rank in range(self.cfg.dp_size):
             self.notify(rank, RoomFailedNotice(room, reason))
