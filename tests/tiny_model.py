@@ -12,15 +12,16 @@ import os
 from fake_worker import write_fake_model
 
 
-def make_tiny_model(path: str, seed: int = 0, max_context: int = 512, layers: int = 2) -> str:
+def make_tiny_model(path: str, seed: int = 0, max_context: int = 512, layers: int = 2,
+                    hidden: int = 64, heads: int = 4, kv_heads: int = 2) -> str:
     import torch
     import transformers
 
     info = write_fake_model(path, max_context=max_context)  # tokenizer.json, tokenizer_config.json
     cfg = transformers.LlamaConfig(
-        vocab_size=info["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_context,
-        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+        vocab_size=info["vocab_size"], hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=max_context, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg)
     g = torch.Generator().manual_seed(seed)

@@ -9,6 +9,9 @@ written to their slots first; then:
   and uses a causal mask offset by the prefix. Per sequence, nothing is padded.
 On CPU in bfloat16/float16 plain batched matmuls beat SDPA's kernel at these sizes (it is
 built for long sequences): see `_decode_attention` and `_causal_matmul_attention`.
+A decode step on CPU in bfloat16 goes to our C kernel instead where the engine has one
+(`batch.kernel`, see cpu_kernels.py): it stores the new K/V and attends reading the pool in
+place, ~2.5x faster than gather + bmm at 32 sequences (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .cpu_kernels import DecodeAttentionKernel
 from .kv_pool import KVPool
 
 REDUCED_PRECISION = (torch.bfloat16, torch.float16)
@@ -52,12 +56,20 @@ class AttnBatch:
     # DECODE: rows of a layer's [num_slots * Hkv, D] K (or V) view in [B, Hkv, L] order; made
     # by the first layer (which knows Hkv) and reused by the others
     head_rows: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None  # DECODE: [B] KV length of each sequence (new token in)
+    kernel: DecodeAttentionKernel | None = None  # DECODE: our CPU kernel, where it was built
+
+    def use_kernel(self, q: torch.Tensor, k: torch.Tensor, pool_k: torch.Tensor) -> bool:
+        return (self.kernel is not None and self.shape is AttnShape.DECODE
+                and k.dtype is q.dtype and self.kernel.supports(q, pool_k))
 
     @staticmethod
     def build(seq_lens: list[int], new_lens: list[int], page_rows: list[list[int]],
-              page_size: int, device: torch.device | str = "cpu") -> "AttnBatch":
+              page_size: int, device: torch.device | str = "cpu",
+              kernel: DecodeAttentionKernel | None = None) -> "AttnBatch":
         """seq_lens[i]: KV length of sequence i after this step; new_lens[i]: tokens it adds
-        this step (the last new_lens[i] of its seq_lens[i]); page_rows[i]: its pages in order."""
+        this step (the last new_lens[i] of its seq_lens[i]); page_rows[i]: its pages in order.
+        kernel: used for decode steps it supports (CPU, bfloat16), else the torch path."""
         B = len(seq_lens)
         L = max(seq_lens)
         max_pages = -(-L // page_size)
@@ -73,7 +85,8 @@ class AttnBatch:
                 bias = torch.zeros(B, 1, 1, L, device=device).masked_fill_(~mask.view(B, 1, 1, L),
                                                                             float("-inf"))
             return AttnBatch(AttnShape.DECODE, write.to(device),
-                             gather_slots=slots.contiguous().to(device), mask=mask, key_bias=bias)
+                             gather_slots=slots.contiguous().to(device), mask=mask, key_bias=bias,
+                             seq_lens=seq.to(device), kernel=kernel)
         spans, writes, start = [], [], 0
         for i, (n, new) in enumerate(zip(seq_lens, new_lens)):
             writes.append(slots[i, n - new:n])
@@ -91,6 +104,9 @@ class AttnBatch:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                     batch: AttnBatch, pool: KVPool) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens -> attention output [T, Hq*D]."""
+    if batch.use_kernel(q, k, pool.k(layer)):  # stores k/v and attends in one call
+        return batch.kernel(q, k, v, pool.k(layer), pool.v(layer), batch.write_slots,
+                            batch.gather_slots, batch.seq_lens)
     pool.write(layer, batch.write_slots, k.to(pool.dtype), v.to(pool.dtype))
     if batch.shape is AttnShape.DECODE:
         B, L = batch.gather_slots.shape

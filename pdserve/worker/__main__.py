@@ -35,8 +35,9 @@ def main(argv=None) -> None:
         from .role import RoleContext
         from .roles import ROLES
 
-        engine, mcfg, dtype = build_engine(cfg, args.model_dir)
-        role = ROLES[cfg.role](RoleContext(engine, args.dp_rank, cfg, Envs.read(), mcfg, channel.wake))
+        envs = Envs.read()
+        engine, mcfg, dtype = build_engine(cfg, args.model_dir, envs.cache_dir)
+        role = ROLES[cfg.role](RoleContext(engine, args.dp_rank, cfg, envs, mcfg, channel.wake))
         info = role.start()
     except Exception as e:  # report start-up failure to the front in one line, then exit
         logging.getLogger(__name__).error("worker start failed: %s", traceback.format_exc())

@@ -7,6 +7,7 @@ import os
 import torch
 
 from ..core.config import ServerConfig
+from ..engine.cpu_kernels import DecodeAttentionKernel, load_decode_attention
 from ..engine.engine import Engine, EngineConfig
 from ..engine.kv_pool import KVPool
 from ..engine.loader import load_model
@@ -49,8 +50,18 @@ def num_kv_pages(cfg: ServerConfig, bytes_per_page: int, device: str) -> int:
     return max(16, int(free * cfg.mem_fraction) // bytes_per_page)
 
 
-def build_engine(cfg: ServerConfig, model_dir: str):
-    """-> (engine, model_config, dtype)"""
+def decode_kernel(cfg: ServerConfig, dtype: torch.dtype, cache_dir: str) -> DecodeAttentionKernel | None:
+    """Our CPU decode-attention kernel where --attention-kernel allows it and it applies
+    (CPU, bfloat16, and it builds here); None keeps the torch path."""
+    if cfg.attention_kernel != "auto" or cfg.device != "cpu" or dtype is not torch.bfloat16:
+        return None
+    from ..model_files.resolve import cache_root
+
+    return load_decode_attention(cache_root(cache_dir))
+
+
+def build_engine(cfg: ServerConfig, model_dir: str, cache_dir: str = ""):
+    """-> (engine, model_config, dtype); cache_dir: where built kernels are kept (as for models)."""
     torch.set_num_threads(pick_threads(cfg))
     device = cfg.device
     dtype = pick_dtype(cfg.dtype, device)
@@ -75,4 +86,4 @@ def build_engine(cfg: ServerConfig, model_dir: str):
         eos_token_ids=tuple(mcfg.eos_token_ids),
         vocab_size=mcfg.vocab_size,
     )
-    return Engine(model, pool, ecfg, device), mcfg, dtype
+    return Engine(model, pool, ecfg, device, decode_kernel(cfg, dtype, cache_dir)), mcfg, dtype

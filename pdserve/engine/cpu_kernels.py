@@ -1,0 +1,131 @@
+"""Our C kernels for CPUs: compiled with gcc at first use, cached by source hash, loaded by ctypes.
+
+Only where the CPU has what a kernel's source needs (read from /proc/cpuinfo) and a C compiler
+is on PATH; otherwise `load_decode_attention` returns None with the reason logged and the
+engine keeps its torch path. Load after torch: the kernels' OpenMP calls then run on torch's
+own libgomp thread pool rather than a second one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DECODE_ATTENTION_SRC = Path(__file__).with_name("cpu_decode_attention.c")
+AVX512_BF16_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma")
+AVX512_BF16_CPU = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"})
+COMPILE_TIMEOUT_S = 120.0
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU feature flags Linux reports (empty elsewhere)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def compile_cached(src: Path, flags: tuple[str, ...], cache_dir: Path, cc: str = "gcc") -> Path:
+    """The shared library built from src with flags, compiling only if this exact source, flag set
+    and compiler have not been built into cache_dir before. Safe when processes race: each
+    compiles to its own temporary file and renames it into place."""
+    code = src.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                             timeout=COMPILE_TIMEOUT_S).stdout.splitlines()[:1]
+    key = hashlib.sha256(code + repr((flags, version)).encode()).hexdigest()[:16]
+    out = cache_dir / f"{src.stem}-{key}.so"
+    if out.exists():
+        return out
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
+    os.close(fd)
+    try:
+        cmd = [cc, "-O3", "-fPIC", "-shared", "-fopenmp", *flags, "-o", tmp, str(src)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+class DecodeAttentionKernel:
+    """One decode step of one layer over the paged pool (see cpu_decode_attention.c): stores
+    each sequence's new K/V at its slot, then attends. bfloat16 everywhere."""
+
+    def __init__(self, lib: Path):
+        fn = ctypes.CDLL(str(lib)).pd_decode_attention
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        fn.argtypes = [p, i64, p, i64, p, i64, p, p, p, p, i64, p, p, i64, i32, i32, i32,
+                       ctypes.c_float, i32]
+        fn.restype = i32
+        self._fn = fn
+        self.path = lib
+
+    @staticmethod
+    def supports(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
+        """Whether this call shape is one the kernel handles (else use the torch path)."""
+        Hq, D = q.shape[1], q.shape[2]
+        Hkv = k_pool.shape[1]
+        return (q.device.type == "cpu" and q.dtype is torch.bfloat16
+                and k_pool.dtype is torch.bfloat16 and D % 32 == 0 and D <= 256
+                and Hq % Hkv == 0 and Hq // Hkv <= 16)
+
+    def __call__(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                 k_pool: torch.Tensor, v_pool: torch.Tensor, write_slots: torch.Tensor,
+                 table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, D]; k_new, v_new [B, Hkv, D] (rows may be strided, heads contiguous);
+        k_pool, v_pool [slots, Hkv, D] contiguous; write_slots [B], table [B, L] and
+        seq_lens [B] int64 -> [B, Hq*D]."""
+        B, Hq, D = q.shape
+        Hkv = k_new.shape[1]
+        for t in (q, k_new, v_new):
+            assert t.stride(2) == 1 and t.stride(1) == D, "heads must be contiguous within a row"
+        assert k_pool.is_contiguous() and v_pool.is_contiguous() and table.stride(1) == 1
+        out = torch.empty(B, Hq * D, dtype=q.dtype)
+        rc = self._fn(q.data_ptr(), q.stride(0), k_new.data_ptr(), k_new.stride(0),
+                      v_new.data_ptr(), v_new.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
+                      write_slots.data_ptr(), table.data_ptr(), table.stride(0),
+                      seq_lens.data_ptr(), out.data_ptr(), B, Hq, Hkv, D, D ** -0.5,
+                      torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"decode attention kernel failed (rc {rc}) for B={B} Hq={Hq} "
+                               f"Hkv={Hkv} D={D}")
+        return out
+
+
+@functools.cache
+def load_decode_attention(cache_dir: str) -> DecodeAttentionKernel | None:
+    """The decode attention kernel, built into cache_dir/kernels if needed; None (reason logged)
+    where this CPU lacks AVX-512 BF16, there is no gcc, or the build fails. Once per process."""
+    missing = AVX512_BF16_CPU - cpu_flags()
+    if missing:
+        log.info("decode attention: torch path (CPU lacks %s)", ", ".join(sorted(missing)))
+        return None
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        log.info("decode attention: torch path (no C compiler on PATH)")
+        return None
+    try:
+        lib = compile_cached(DECODE_ATTENTION_SRC, AVX512_BF16_FLAGS, Path(cache_dir) / "kernels", cc)
+        return DecodeAttentionKernel(lib)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("decode attention: torch path (kernel build failed: %s)", e)
+        return None
