@@ -21,8 +21,12 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self.buffer = torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim,
+        self.buffer = torch.empty(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim,
                                   dtype=dtype, device=device)
+        if self.buffer.device.type == "cpu":
+            from .huge_pages import advise_huge_pages
+            advise_huge_pages(self.buffer)
+        self.buffer.zero_()
         slots = num_pages * page_size
         self._k = [self.buffer[l, 0].view(slots, num_kv_heads, head_dim) for l in range(num_layers)]
         self._v = [self.buffer[l, 1].view(slots, num_kv_heads, head_dim) for l in range(num_layers)]
