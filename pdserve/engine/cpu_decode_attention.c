@@ -17,7 +17,7 @@
 typedef uint16_t bf16;
 
 #define MAX_GROUP 16   /* query heads per KV head */
-#define MAX_CHUNKS 8   /* head_dim / 32 (head_dim <= 256) */
+#define MAX_CHUNKS 4   /* head_dim / 32: head_dim 32, 64 or 128 */
 
 static inline float bf16_to_f32(bf16 x) {
     uint32_t u = (uint32_t)x << 16;
@@ -109,36 +109,47 @@ static inline void prefetch_rows(const bf16 *pool, const int64_t *slots, int64_t
     }
 }
 
+/* Prefetch distance in tokens (one block): K two blocks ahead, V one (it is read later). */
+#define PF 16
+
+/* Query heads whose p.v sums share one pass over V (their accumulators stay in registers). */
+#define PV_HEADS(D) ((D) == 32 ? 4 : (D) == 64 ? 3 : 2)
+
 /* One sequence, KV heads [j0, j1): store its new K/V, then attend with their query heads.
- * s: scratch for (j1 - j0) * G rows of len (+16) scores. */
-static void attend(const bf16 *q, const bf16 *knew, const bf16 *vnew, bf16 *kpool, bf16 *vpool,
-                   const int64_t *slots, int64_t len, int64_t write_slot, bf16 *out, int G,
-                   int Hkv, int D, int j0, int j1, float scale, float *s) {
-    const int C = D / 32, H = (j1 - j0) * G;
+ * s: scratch for (j1 - j0) * G rows of len + 16 scores, then one zero row. D is a constant
+ * in each caller (see attend_any), so every per-row loop below is unrolled into registers. */
+static inline __attribute__((always_inline)) void attend(
+        const bf16 *q, const bf16 *knew, const bf16 *vnew, bf16 *kpool, bf16 *vpool,
+        const int64_t *slots, int64_t len, int64_t write_slot, bf16 *out, int G, int Hkv,
+        const int D, int j0, int j1, float scale, float *s) {
+    const int C = D / 32, VC = D / 16, NG = PV_HEADS(D), H = (j1 - j0) * G;
     const int64_t row = len + 16;
     memcpy(kpool + (write_slot * Hkv + j0) * D, knew + (int64_t)j0 * D, (size_t)(j1 - j0) * D * 2);
     memcpy(vpool + (write_slot * Hkv + j0) * D, vnew + (int64_t)j0 * D, (size_t)(j1 - j0) * D * 2);
-    prefetch_rows(kpool, slots, 0, len < 16 ? len : 16, Hkv, D, j0, j1);
+    prefetch_rows(kpool, slots, 0, len < 2 * PF ? len : 2 * PF, Hkv, D, j0, j1);
+    prefetch_rows(vpool, slots, 0, len < PF ? len : PF, Hkv, D, j0, j1);
 
     /* scores, 16 tokens at a time; the pool is far bigger than cache, so rows of the next
      * block (K, and V for the second pass) are fetched while this one is computed */
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
         int64_t n = len - t0 < 16 ? len - t0 : 16;
-        int64_t next = t0 + 16 + 16 < len ? t0 + 32 : len;
-        prefetch_rows(kpool, slots, t0 + 16, next, Hkv, D, j0, j1);
-        prefetch_rows(vpool, slots, t0, t0 + n, Hkv, D, j0, j1);
+        if (t0 + 2 * PF < len)
+            prefetch_rows(kpool, slots, t0 + 2 * PF, t0 + 3 * PF < len ? t0 + 3 * PF : len, Hkv, D, j0, j1);
+        if (t0 + PF < len)
+            prefetch_rows(vpool, slots, t0 + PF, t0 + 2 * PF < len ? t0 + 2 * PF : len, Hkv, D, j0, j1);
+        const bf16 *krow[16];
+        for (int tt = 0; tt < 16; tt++) krow[tt] = kpool + (slots[t0 + (tt < n ? tt : 0)] * Hkv) * D;
         for (int h = 0; h < H; h++) {
             int j = j0 + h / G;
             __m512bh qv[MAX_CHUNKS];
             for (int c = 0; c < C; c++)
                 qv[c] = (__m512bh)_mm512_loadu_si512(q + (int64_t)(j * G + h % G) * D + c * 32);
             __m512 acc[16];
-            for (int tt = 0; tt < 16; tt++) {
+            for (int tt = 0; tt < 16; tt++) {  /* rows past n repeat row 0; their scores are unused */
                 acc[tt] = _mm512_setzero_ps();
-                if (tt >= n) continue;
-                const bf16 *k = kpool + (slots[t0 + tt] * Hkv + j) * D;
                 for (int c = 0; c < C; c++)
-                    acc[tt] = _mm512_dpbf16_ps(acc[tt], qv[c], (__m512bh)_mm512_loadu_si512(k + c * 32));
+                    acc[tt] = _mm512_dpbf16_ps(acc[tt], qv[c],
+                                               (__m512bh)_mm512_loadu_si512(krow[tt] + j * D + c * 32));
             }
             __m256bh r = _mm512_cvtneps_pbh(sum16(acc));  /* q.k rounds to bf16, as in HF */
             __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)r), 16));
@@ -147,26 +158,39 @@ static void attend(const bf16 *q, const bf16 *knew, const bf16 *vnew, bf16 *kpoo
     }
     for (int h = 0; h < H; h++) softmax_bf16(s + h * row, len);
 
-    const int V = D / 16;
+    const float *zero = s + (int64_t)H * row;
+    memset((float *)zero, 0, sizeof(float) * (size_t)len);
     for (int j = j0; j < j1; j++) {
-        const float *p = s + (int64_t)(j - j0) * G * row;
-        __m512 o[MAX_GROUP][2 * MAX_CHUNKS];
-        for (int g = 0; g < G; g++)
-            for (int c = 0; c < V; c++) o[g][c] = _mm512_setzero_ps();
-        for (int64_t t = 0; t < len; t++) {
-            const bf16 *v = vpool + (slots[t] * Hkv + j) * D;
-            for (int c = 0; c < V; c++) {
-                __m512 vc = load_bf16x16(v + c * 16);
-                for (int g = 0; g < G; g++)
-                    o[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * row + t]), vc, o[g][c]);
+        for (int g0 = 0; g0 < G; g0 += NG) {  /* NG heads at a time; missing ones read zeros */
+            const float *p[4];
+            for (int g = 0; g < NG; g++)
+                p[g] = g0 + g < G ? s + ((int64_t)(j - j0) * G + g0 + g) * row : zero;
+            __m512 o[4][MAX_CHUNKS * 2];
+            for (int g = 0; g < NG; g++)
+                for (int c = 0; c < VC; c++) o[g][c] = _mm512_setzero_ps();
+            for (int64_t t = 0; t < len; t++) {
+                const bf16 *v = vpool + (slots[t] * Hkv + j) * D;
+                for (int c = 0; c < VC; c++) {
+                    __m512 vc = load_bf16x16(v + c * 16);
+                    for (int g = 0; g < NG; g++)
+                        o[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g][t]), vc, o[g][c]);
+                }
             }
+            for (int g = 0; g < NG && g0 + g < G; g++)
+                for (int c = 0; c < VC; c++)
+                    _mm256_storeu_si256((__m256i *)(out + (int64_t)(j * G + g0 + g) * D + c * 16),
+                                        (__m256i)_mm512_cvtneps_pbh(o[g][c]));
         }
-        for (int g = 0; g < G; g++)
-            for (int c = 0; c < V; c++)
-                _mm256_storeu_si256((__m256i *)(out + (int64_t)(j * G + g) * D + c * 16),
-                                    (__m256i)_mm512_cvtneps_pbh(o[g][c]));
     }
 }
+
+#define ATTEND_ARGS const bf16 *q, const bf16 *knew, const bf16 *vnew, bf16 *kpool, bf16 *vpool, \
+    const int64_t *slots, int64_t len, int64_t write_slot, bf16 *out, int G, int Hkv, int j0, \
+    int j1, float scale, float *s
+#define ATTEND_PASS q, knew, vnew, kpool, vpool, slots, len, write_slot, out, G, Hkv
+static void attend_32(ATTEND_ARGS) { attend(ATTEND_PASS, 32, j0, j1, scale, s); }
+static void attend_64(ATTEND_ARGS) { attend(ATTEND_PASS, 64, j0, j1, scale, s); }
+static void attend_128(ATTEND_ARGS) { attend(ATTEND_PASS, 128, j0, j1, scale, s); }
 
 /* q [B, Hq, D] (row stride q_stride), k_new/v_new [B, Hkv, D] (row strides), all bf16 with
  * heads contiguous; k_pool/v_pool: the layer's [slots, Hkv, D]; write_slots [B];
@@ -177,7 +201,8 @@ int pd_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k_new, int6
                         const int64_t *write_slots, const int64_t *table, int64_t table_stride,
                         const int64_t *seq_lens, bf16 *out, int64_t B, int Hq, int Hkv, int D,
                         float scale, int num_threads) {
-    if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_GROUP || D % 32 || D / 32 > MAX_CHUNKS) return -1;
+    void (*attend_d)(ATTEND_ARGS) = D == 32 ? attend_32 : D == 64 ? attend_64 : D == 128 ? attend_128 : 0;
+    if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_GROUP || !attend_d) return -1;
     const int G = Hq / Hkv;
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
@@ -190,7 +215,7 @@ int pd_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k_new, int6
         /* tiny probabilities would make denormal products, which cost microcode assists */
         unsigned int csr = _mm_getcsr();
         _mm_setcsr(csr | 0x8040);  /* flush-to-zero, denormals-are-zero */
-        float *s = malloc(sizeof(float) * (size_t)Hq * (size_t)(max_len + 16));
+        float *s = malloc(sizeof(float) * (size_t)(Hq + 1) * (size_t)(max_len + 16));
         if (!s) {
             #pragma omp atomic write
             failed = 1;
@@ -201,9 +226,9 @@ int pd_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k_new, int6
             int64_t b = w / S;
             int part = (int)(w % S);
             int j0 = part * Hkv / S, j1 = (part + 1) * Hkv / S;
-            attend(q + b * q_stride, k_new + b * k_stride, v_new + b * v_stride, k_pool, v_pool,
-                   table + b * table_stride, seq_lens[b], write_slots[b], out + b * (int64_t)Hq * D,
-                   G, Hkv, D, j0, j1, scale, s);
+            attend_d(q + b * q_stride, k_new + b * k_stride, v_new + b * v_stride, k_pool, v_pool,
+                     table + b * table_stride, seq_lens[b], write_slots[b], out + b * (int64_t)Hq * D,
+                     G, Hkv, j0, j1, scale, s);
         }
         free(s);
         _mm_setcsr(csr);

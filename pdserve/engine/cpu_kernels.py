@@ -85,7 +85,7 @@ class DecodeAttentionKernel:
         Hq, D = q.shape[1], q.shape[2]
         Hkv = k_pool.shape[1]
         return (q.device.type == "cpu" and q.dtype is torch.bfloat16
-                and k_pool.dtype is torch.bfloat16 and D % 32 == 0 and D <= 256
+                and k_pool.dtype is torch.bfloat16 and D in (32, 64, 128)
                 and Hq % Hkv == 0 and Hq // Hkv <= 16)
 
     def __call__(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
