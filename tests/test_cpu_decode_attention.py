@@ -221,7 +221,7 @@ def test_server_config_picks_the_kernel_only_where_asked(monkeypatch):
 
     monkeypatch.setattr(setup, "load_decode_attention", lambda cache: "built")
     assert setup.decode_kernel(ServerConfig(), torch.bfloat16, "") == "built"
-    assert setup.decode_kernel(ServerConfig(attention_kernel="torch"), torch.bfloat16, "") is None
+    assert setup.decode_kernel(ServerConfig(cpu_kernels="torch"), torch.bfloat16, "") is None
     assert setup.decode_kernel(ServerConfig(), torch.float32, "") is None
     assert setup.decode_kernel(ServerConfig(device="cuda"), torch.bfloat16, "") is None
 

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 
 
-def _engine(model_dir: str, dtype: str, threads: int, max_running: int, attention_kernel: str = "auto"):
+def _engine(model_dir: str, dtype: str, threads: int, max_running: int, cpu_kernels: str = "auto"):
     from ..core.config import ServerConfig
     from ..worker.setup import build_engine
 
     cfg = ServerConfig(model=model_dir, dtype=dtype, num_threads=threads, max_total_tokens=65536,
-                       max_running_requests=max_running, attention_kernel=attention_kernel)
+                       max_running_requests=max_running, cpu_kernels=cpu_kernels)
     engine, mcfg, _ = build_engine(cfg, model_dir)
     return engine
 
@@ -82,8 +82,8 @@ def main(argv=None) -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--hf-batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--attention-kernel", default="auto", choices=["auto", "torch"],
-                   help="decode attention: our CPU kernel where it applies, or the torch path")
+    p.add_argument("--cpu-kernels", default="auto", choices=["auto", "torch"],
+                   help="our C kernels (decode attention, norms, RoPE) where they apply, or torch")
     a = p.parse_args(argv)
     import os
 
@@ -96,7 +96,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(threads)
     model_dir = resolve_model(a.model, Envs.read().cache_dir)
     dtype = getattr(torch, a.dtype)
-    engine = _engine(model_dir, a.dtype, threads, max(a.concurrency, 1), a.attention_kernel)
+    engine = _engine(model_dir, a.dtype, threads, max(a.concurrency, 1), a.cpu_kernels)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").eval()
     g = torch.Generator().manual_seed(0)
     vocab = engine.cfg.vocab_size
@@ -112,9 +112,10 @@ def main(argv=None) -> None:
     for _ in range(a.repeats):  # interleaved, so drift hits both sides alike
         for k, fn in runs.items():
             rows[k].append(fn())
-    kernel = "ours" if engine.decode_kernel is not None else "torch"
+    kernels = [name for name, on in (("decode_attention", engine.decode_kernel),
+                                     ("norms_rope", engine.model.fused)) if on is not None]
     print(f"model={model_dir} dtype={a.dtype} threads={threads} new_tokens={a.new_tokens} "
-          f"repeats={a.repeats} decode_attention={kernel}")
+          f"repeats={a.repeats} cpu_kernels={','.join(kernels) or 'none'}")
     print(f"{'case (median tokens/s)':<40}{'clock':>6}{'pdserve':>10}{'HF':>10}{'ratio':>8}")
     cases = (("single-stream decode", "single"),
              (f"{a.concurrency} concurrent vs HF batch {a.hf_batch}", "many"))

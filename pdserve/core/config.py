@@ -45,9 +45,9 @@ class ServerConfig:
     max_running_requests: int = _opt("max requests decoding at once per worker", default=64)
     chunked_prefill_size: int = _opt("max prompt tokens prefilled per step", default=512)
     context_length: int = _opt("max prompt + output tokens (0 = the model's)", default=0)
-    attention_kernel: str = _opt("decode attention on CPU in bfloat16: auto (our AVX-512 BF16 kernel, "
-                                 "built with gcc at first use, where the CPU has it) or torch",
-                                 ("auto", "torch"), default="auto")
+    cpu_kernels: str = _opt("bfloat16 on CPU: auto (our AVX-512 BF16 C kernels for decode attention, "
+                            "norms and RoPE, built with gcc at first use, where the CPU has it) or "
+                            "torch (plain torch ops)", ("auto", "torch"), default="auto")
     num_threads: int = _opt("torch threads per worker (0 = cores / dp_size)", default=0)
     api_key: str = _opt("require this Bearer token (health stays open)", default="")
     bootstrap_token: str = _opt("prefill: cluster token the bootstrap service requires on PUT /route and "

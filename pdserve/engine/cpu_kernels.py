@@ -111,21 +111,28 @@ class DecodeAttentionKernel:
         return out
 
 
-@functools.cache
-def load_decode_attention(cache_dir: str) -> DecodeAttentionKernel | None:
-    """The decode attention kernel, built into cache_dir/kernels if needed; None (reason logged)
-    where this CPU lacks AVX-512 BF16, there is no gcc, or the build fails. Once per process."""
+def build_for_avx512_bf16(what: str, src: Path, cache_dir: str, extra_flags: tuple[str, ...] = ()
+                          ) -> Path | None:
+    """src built for AVX-512 BF16 into cache_dir/kernels; None (reason logged, naming `what`)
+    where this CPU lacks it, there is no C compiler, or the build fails."""
     missing = AVX512_BF16_CPU - cpu_flags()
     if missing:
-        log.info("decode attention: torch path (CPU lacks %s)", ", ".join(sorted(missing)))
+        log.info("%s: torch path (CPU lacks %s)", what, ", ".join(sorted(missing)))
         return None
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
-        log.info("decode attention: torch path (no C compiler on PATH)")
+        log.info("%s: torch path (no C compiler on PATH)", what)
         return None
     try:
-        lib = compile_cached(DECODE_ATTENTION_SRC, AVX512_BF16_FLAGS, Path(cache_dir) / "kernels", cc)
-        return DecodeAttentionKernel(lib)
+        return compile_cached(src, AVX512_BF16_FLAGS + extra_flags, Path(cache_dir) / "kernels", cc)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("decode attention: torch path (kernel build failed: %s)", e)
+        log.warning("%s: torch path (kernel build failed: %s)", what, e)
         return None
+
+
+@functools.cache
+def load_decode_attention(cache_dir: str) -> DecodeAttentionKernel | None:
+    """The decode attention kernel, built into cache_dir/kernels if needed; None (reason logged)
+    where it cannot be built here. Once per process."""
+    lib = build_for_avx512_bf16("decode attention", DECODE_ATTENTION_SRC, cache_dir)
+    return None if lib is None else DecodeAttentionKernel(lib)

@@ -61,6 +61,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+class TorchOps:
+    """The norm and RoPE steps as torch formulas; `cpu_fused.FusedOps` is the same interface
+    in C, bit-identical, for bfloat16 on CPU (one call instead of ~7 small ops)."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """x += delta in place (the residual stream), then rms_norm(x)."""
+        return rms_norm(x.add_(delta), weight, eps)
+
+    @staticmethod
+    def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rope(qk, cos, sin)
+
+
 def _param(*shape: int, dtype, device) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -95,20 +114,20 @@ class DecoderLayer(torch.nn.Module):
             setattr(self, name, PackedLinear(plain.weight, plain.bias))
             plain.weight.data = plain.weight.data.new_empty(0)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                batch: AttnBatch, pool: KVPool) -> torch.Tensor:
-        """x [T, hidden] is the residual stream; updated in place and returned."""
+    def forward(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: AttnBatch, pool: KVPool, ops) -> torch.Tensor:
+        """x [T, hidden] is the residual stream, h = input_norm(x). Adds the attention output
+        to x in place and returns the MLP output: the caller adds it to x together with the
+        next norm (ops.add_rms_norm), so each residual add and norm is one step."""
         T = x.shape[0]
-        qkv = self.qkv(rms_norm(x, self.input_norm, self.eps))
+        qkv = self.qkv(h)
         n_qk = self.n_q + self.n_kv
-        qk = apply_rope(qkv[:, : n_qk * self.d].view(T, n_qk, self.d), cos, sin)
+        qk = ops.rope(qkv[:, : n_qk * self.d].view(T, n_qk, self.d), cos, sin)
         v = qkv[:, n_qk * self.d:].view(T, self.n_kv, self.d)
         attn = paged_attention(qk[:, : self.n_q], qk[:, self.n_q:], v, self.index, batch, pool)
-        x.add_(self.o(attn))
-        gate_up = self.gate_up(rms_norm(x, self.post_norm, self.eps))
+        gate_up = self.gate_up(ops.add_rms_norm(x, self.o(attn), self.post_norm, self.eps))
         gate, up = gate_up.chunk(2, dim=-1)
-        x.add_(self.down(F.silu(gate).mul_(up)))
-        return x
+        return self.down(F.silu(gate).mul_(up))
 
 
 class CausalLM(torch.nn.Module):
@@ -126,6 +145,7 @@ class CausalLM(torch.nn.Module):
             _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.head = PlainLinear(self.lm_head)
         self.packed = False
+        self.fused = None  # cpu_fused.FusedOps, see use_fused_ops
         cos, sin = rope_table(cfg, max_positions or cfg.max_position_embeddings, dtype, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -136,9 +156,19 @@ class CausalLM(torch.nn.Module):
         x = F.embedding(input_ids, self.embed_tokens)
         cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
         sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
-        for layer in self.layers:
-            x = layer(x, cos, sin, batch, pool)
-        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        ops = self.fused if self.fused is not None and self.fused.supports(x.dtype, x.device) \
+            else TorchOps
+        eps = self.cfg.rms_norm_eps
+        h = ops.rms_norm(x, self.layers[0].input_norm, eps)
+        norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, norms):
+            h = ops.add_rms_norm(x, layer(x, h, cos, sin, batch, pool, ops), next_norm, eps)
+        return h
+
+    def use_fused_ops(self, ops) -> None:
+        """Run norms and RoPE through `ops` (a cpu_fused.FusedOps; bit-identical results)
+        wherever it supports the model's dtype and device; None: torch formulas."""
+        self.fused = ops
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

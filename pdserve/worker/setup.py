@@ -7,6 +7,7 @@ import os
 import torch
 
 from ..core.config import ServerConfig
+from ..engine.cpu_fused import load_fused_ops
 from ..engine.cpu_kernels import DecodeAttentionKernel, load_decode_attention
 from ..engine.engine import Engine, EngineConfig
 from ..engine.kv_pool import KVPool
@@ -50,14 +51,27 @@ def num_kv_pages(cfg: ServerConfig, bytes_per_page: int, device: str) -> int:
     return max(16, int(free * cfg.mem_fraction) // bytes_per_page)
 
 
+def wants_cpu_kernels(cfg: ServerConfig, dtype: torch.dtype) -> bool:
+    """Our C kernels apply on CPU in bfloat16 unless --cpu-kernels torch."""
+    return cfg.cpu_kernels == "auto" and cfg.device == "cpu" and dtype is torch.bfloat16
+
+
 def decode_kernel(cfg: ServerConfig, dtype: torch.dtype, cache_dir: str) -> DecodeAttentionKernel | None:
-    """Our CPU decode-attention kernel where --attention-kernel allows it and it applies
-    (CPU, bfloat16, and it builds here); None keeps the torch path."""
-    if cfg.attention_kernel != "auto" or cfg.device != "cpu" or dtype is not torch.bfloat16:
+    """Our CPU decode-attention kernel where wanted and it builds here; None: the torch path."""
+    if not wants_cpu_kernels(cfg, dtype):
         return None
     from ..model_files.resolve import cache_root
 
     return load_decode_attention(cache_root(cache_dir))
+
+
+def fused_ops(cfg: ServerConfig, dtype: torch.dtype, cache_dir: str):
+    """Our fused norm/RoPE ops (cpu_fused.FusedOps) where wanted and they build; else None."""
+    if not wants_cpu_kernels(cfg, dtype):
+        return None
+    from ..model_files.resolve import cache_root
+
+    return load_fused_ops(cache_root(cache_dir))
 
 
 def build_engine(cfg: ServerConfig, model_dir: str, cache_dir: str = ""):
@@ -72,6 +86,7 @@ def build_engine(cfg: ServerConfig, model_dir: str, cache_dir: str = ""):
     if mcfg.sliding_window:  # attention here is always full: never go past the window
         max_context = min(max_context, mcfg.sliding_window)
     model, mcfg = load_model(model_dir, dtype, device, max_positions=max_context)
+    model.use_fused_ops(fused_ops(cfg, dtype, cache_dir))
     per_page = KVPool.bytes_per_page(mcfg.num_layers, cfg.page_size, mcfg.num_kv_heads,
                                      mcfg.head_dim, dtype)
     pages = num_kv_pages(cfg, per_page, device)
