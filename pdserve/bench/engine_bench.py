@@ -83,7 +83,7 @@ def main(argv=None) -> None:
     p.add_argument("--hf-batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cpu-kernels", default="auto", choices=["auto", "torch"],
-                   help="our C kernels (decode attention, norms, RoPE) where they apply, or torch")
+                   help="our C kernels (attention, norms, RoPE) where they apply, or torch")
     a = p.parse_args(argv)
     import os
 
@@ -112,7 +112,7 @@ def main(argv=None) -> None:
     for _ in range(a.repeats):  # interleaved, so drift hits both sides alike
         for k, fn in runs.items():
             rows[k].append(fn())
-    kernels = [name for name, on in (("decode_attention", engine.decode_kernel),
+    kernels = [name for name, on in (("attention", engine.attention_kernel),
                                      ("norms_rope", engine.model.fused)) if on is not None]
     print(f"model={model_dir} dtype={a.dtype} threads={threads} new_tokens={a.new_tokens} "
           f"repeats={a.repeats} cpu_kernels={','.join(kernels) or 'none'}")

@@ -45,7 +45,7 @@ class ServerConfig:
     max_running_requests: int = _opt("max requests decoding at once per worker", default=64)
     chunked_prefill_size: int = _opt("max prompt tokens prefilled per step", default=512)
     context_length: int = _opt("max prompt + output tokens (0 = the model's)", default=0)
-    cpu_kernels: str = _opt("bfloat16 on CPU: auto (our AVX-512 BF16 C kernels for decode attention, "
+    cpu_kernels: str = _opt("bfloat16 on CPU: auto (our AVX-512 BF16 C kernels for attention, "
                             "norms and RoPE, built with gcc at first use, where the CPU has it) or "
                             "torch (plain torch ops)", ("auto", "torch"), default="auto")
     num_threads: int = _opt("torch threads per worker (0 = cores / dp_size)", default=0)

@@ -9,9 +9,10 @@ written to their slots first; then:
   and uses a causal mask offset by the prefix. Per sequence, nothing is padded.
 On CPU in bfloat16/float16 plain batched matmuls beat SDPA's kernel at these sizes (it is
 built for long sequences): see `_decode_attention` and `_causal_matmul_attention`.
-A decode step on CPU in bfloat16 goes to our C kernel instead where the engine has one
-(`batch.kernel`, see cpu_kernels.py): it stores the new K/V and attends reading the pool in
-place, ~2.5x faster than gather + bmm at 32 sequences (docs/benchmarks.md).
+On CPU in bfloat16 every step goes to our C kernel instead where the engine has one
+(`batch.kernel`, see cpu_kernels.py): it attends reading the pool in place, each new token a
+query over its own sequence's slots: at 32 sequences ~2.5x faster than gather + bmm for
+decode, and prefill steps 13-50% faster than the per-sequence calls (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .cpu_kernels import DecodeAttentionKernel
+from .cpu_kernels import PagedAttentionKernel
 from .kv_pool import KVPool
 
 REDUCED_PRECISION = (torch.bfloat16, torch.float16)
@@ -49,27 +50,31 @@ class SeqSpan:
 class AttnBatch:
     shape: AttnShape
     write_slots: torch.Tensor  # [T] slot of each new token, in flat token order
-    gather_slots: torch.Tensor | None = None  # DECODE: [B, L] slots of each sequence, pad 0
+    gather_slots: torch.Tensor | None = None  # [B, L] slots of each sequence, pad 0 (DECODE,
+    # and PER_SEQUENCE with a kernel)
     mask: torch.Tensor | None = None  # DECODE: [B, L] bool, True = real key; None if all equal
     key_bias: torch.Tensor | None = None  # DECODE: the mask as float32 0 / -inf, [B, 1, 1, L]
     spans: list[SeqSpan] | None = None  # PER_SEQUENCE
     # DECODE: rows of a layer's [num_slots * Hkv, D] K (or V) view in [B, Hkv, L] order; made
     # by the first layer (which knows Hkv) and reused by the others
     head_rows: torch.Tensor | None = None
-    seq_lens: torch.Tensor | None = None  # DECODE: [B] KV length of each sequence (new token in)
-    kernel: DecodeAttentionKernel | None = None  # DECODE: our CPU kernel, where it was built
+    kernel: PagedAttentionKernel | None = None  # our CPU kernel, where it was built
+    # with a kernel: keys each query (new token) attends to, its own included [T], and for
+    # PER_SEQUENCE the row of gather_slots it reads [T] (DECODE: row = query)
+    key_counts: torch.Tensor | None = None
+    query_rows: torch.Tensor | None = None
 
     def use_kernel(self, q: torch.Tensor, k: torch.Tensor, pool_k: torch.Tensor) -> bool:
-        return (self.kernel is not None and self.shape is AttnShape.DECODE
+        return (self.kernel is not None and self.key_counts is not None
                 and k.dtype is q.dtype and self.kernel.supports(q, pool_k))
 
     @staticmethod
     def build(seq_lens: list[int], new_lens: list[int], page_rows: list[list[int]],
               page_size: int, device: torch.device | str = "cpu",
-              kernel: DecodeAttentionKernel | None = None) -> "AttnBatch":
+              kernel: PagedAttentionKernel | None = None) -> "AttnBatch":
         """seq_lens[i]: KV length of sequence i after this step; new_lens[i]: tokens it adds
         this step (the last new_lens[i] of its seq_lens[i]); page_rows[i]: its pages in order.
-        kernel: used for decode steps it supports (CPU, bfloat16), else the torch path."""
+        kernel: used where it supports the call (CPU, bfloat16), else the torch path."""
         B = len(seq_lens)
         L = max(seq_lens)
         max_pages = -(-L // page_size)
@@ -86,7 +91,20 @@ class AttnBatch:
                                                                             float("-inf"))
             return AttnBatch(AttnShape.DECODE, write.to(device),
                              gather_slots=slots.contiguous().to(device), mask=mask, key_bias=bias,
-                             seq_lens=seq.to(device), kernel=kernel)
+                             kernel=kernel, key_counts=seq.to(device) if kernel else None)
+        if kernel is not None:
+            # each new token is a query over its sequence's first (position + 1) slots, read
+            # from the pool after all new K/V are stored: causal with or without a prefix
+            news = torch.tensor(new_lens)
+            rows = torch.repeat_interleave(torch.arange(B), news)
+            ends = torch.tensor(seq_lens)[rows]
+            last = torch.cumsum(news, 0)[rows]  # one past the flat index of its sequence's last token
+            counts = ends - (last - torch.arange(len(rows))) + 1
+            writes = torch.cat([slots[i, n - new:n] for i, (n, new) in
+                                enumerate(zip(seq_lens, new_lens))])
+            return AttnBatch(AttnShape.PER_SEQUENCE, writes.to(device),
+                             gather_slots=slots.contiguous().to(device), kernel=kernel,
+                             key_counts=counts.to(device), query_rows=rows.to(device))
         spans, writes, start = [], [], 0
         for i, (n, new) in enumerate(zip(seq_lens, new_lens)):
             writes.append(slots[i, n - new:n])
@@ -104,9 +122,13 @@ class AttnBatch:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                     batch: AttnBatch, pool: KVPool) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens -> attention output [T, Hq*D]."""
-    if batch.use_kernel(q, k, pool.k(layer)):  # stores k/v and attends in one call
-        return batch.kernel(q, k, v, pool.k(layer), pool.v(layer), batch.write_slots,
-                            batch.gather_slots, batch.seq_lens)
+    if batch.use_kernel(q, k, pool.k(layer)):
+        if batch.shape is AttnShape.DECODE:  # stores k/v and attends in one call
+            return batch.kernel(q, k, v, pool.k(layer), pool.v(layer), batch.write_slots,
+                                batch.gather_slots, batch.key_counts)
+        pool.write(layer, batch.write_slots, k, v)  # every row before any query reads
+        return batch.kernel(q, k, v, pool.k(layer), pool.v(layer), _no_writes(q.shape[0]),
+                            batch.gather_slots, batch.key_counts, batch.query_rows)
     pool.write(layer, batch.write_slots, k.to(pool.dtype), v.to(pool.dtype))
     if batch.shape is AttnShape.DECODE:
         B, L = batch.gather_slots.shape
@@ -118,6 +140,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         vv = pool.v(layer).view(-1, D).index_select(0, batch.head_rows).view(B, Hkv, L, D)
         return _decode_attention(q, kk.to(q.dtype), vv.to(q.dtype), batch)
     return torch.cat([_sequence_attention(q, k, v, span, layer, pool) for span in batch.spans])
+
+
+def _no_writes(n: int) -> torch.Tensor:
+    return torch.full((n,), -1, dtype=torch.long)
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -2,7 +2,7 @@
 with ctypes: rms_norm, residual add + rms_norm and RoPE, each one C call in
 place of a chain of small torch ops, rounding where and as the torch formulas in model.py do.
 
-Built with gcc at first use and cached like the decode attention kernel (cpu_kernels); where the
+Built with gcc at first use and cached like the paged attention kernel (cpu_kernels); where the
 CPU or compiler lacks what it needs, `load_fused_ops` returns None and callers keep the torch
 formulas. Load after torch, so the kernels' OpenMP runs on torch's libgomp thread pool.
 """

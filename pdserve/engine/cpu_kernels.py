@@ -1,7 +1,7 @@
 """Our C kernels for CPUs: compiled with gcc at first use, cached by source hash, loaded by ctypes.
 
 Only where the CPU has what a kernel's source needs (read from /proc/cpuinfo) and a C compiler
-is on PATH; otherwise `load_decode_attention` returns None with the reason logged and the
+is on PATH; otherwise `load_paged_attention` returns None with the reason logged and the
 engine keeps its torch path. Load after torch: the kernels' OpenMP calls then run on torch's
 own libgomp thread pool rather than a second one.
 """
@@ -22,7 +22,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-DECODE_ATTENTION_SRC = Path(__file__).with_name("cpu_decode_attention.c")
+PAGED_ATTENTION_SRC = Path(__file__).with_name("cpu_paged_attention.c")
 AVX512_BF16_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma")
 AVX512_BF16_CPU = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"})
 COMPILE_TIMEOUT_S = 120.0
@@ -66,14 +66,15 @@ def compile_cached(src: Path, flags: tuple[str, ...], cache_dir: Path, cc: str =
     return out
 
 
-class DecodeAttentionKernel:
-    """One decode step of one layer over the paged pool (see cpu_decode_attention.c): stores
-    each sequence's new K/V at its slot, then attends. bfloat16 everywhere."""
+class PagedAttentionKernel:
+    """One layer of a step over the paged pool (see cpu_paged_attention.c): decode stores each
+    sequence's new K/V at its slot, then attends; prefill attends causally after the caller
+    stored the new K/V. bfloat16 everywhere."""
 
     def __init__(self, lib: Path):
-        fn = ctypes.CDLL(str(lib)).pd_decode_attention
+        fn = ctypes.CDLL(str(lib)).pd_paged_attention
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        fn.argtypes = [p, i64, p, i64, p, i64, p, p, p, p, i64, p, p, i64, i32, i32, i32,
+        fn.argtypes = [p, i64, p, i64, p, i64, p, p, p, p, i64, p, p, p, i64, i32, i32, i32,
                        ctypes.c_float, i32]
         fn.restype = i32
         self._fn = fn
@@ -90,10 +91,12 @@ class DecodeAttentionKernel:
 
     def __call__(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                  k_pool: torch.Tensor, v_pool: torch.Tensor, write_slots: torch.Tensor,
-                 table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+                 table: torch.Tensor, seq_lens: torch.Tensor,
+                 table_rows: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, Hq, D]; k_new, v_new [B, Hkv, D] (rows may be strided, heads contiguous);
-        k_pool, v_pool [slots, Hkv, D] contiguous; write_slots [B], table [B, L] and
-        seq_lens [B] int64 -> [B, Hq*D]."""
+        k_pool, v_pool [slots, Hkv, D] contiguous; write_slots [B] (-1: already stored),
+        table [rows, L], seq_lens [B] (keys each query reads) and table_rows [B] (its table
+        row; None: row b) int64 -> [B, Hq*D]."""
         B, Hq, D = q.shape
         Hkv = k_new.shape[1]
         for t in (q, k_new, v_new):
@@ -103,10 +106,10 @@ class DecodeAttentionKernel:
         rc = self._fn(q.data_ptr(), q.stride(0), k_new.data_ptr(), k_new.stride(0),
                       v_new.data_ptr(), v_new.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
                       write_slots.data_ptr(), table.data_ptr(), table.stride(0),
-                      seq_lens.data_ptr(), out.data_ptr(), B, Hq, Hkv, D, D ** -0.5,
-                      torch.get_num_threads())
+                      None if table_rows is None else table_rows.data_ptr(), seq_lens.data_ptr(),
+                      out.data_ptr(), B, Hq, Hkv, D, D ** -0.5, torch.get_num_threads())
         if rc != 0:
-            raise RuntimeError(f"decode attention kernel failed (rc {rc}) for B={B} Hq={Hq} "
+            raise RuntimeError(f"paged attention kernel failed (rc {rc}) for B={B} Hq={Hq} "
                                f"Hkv={Hkv} D={D}")
         return out
 
@@ -131,8 +134,8 @@ def build_for_avx512_bf16(what: str, src: Path, cache_dir: str, extra_flags: tup
 
 
 @functools.cache
-def load_decode_attention(cache_dir: str) -> DecodeAttentionKernel | None:
-    """The decode attention kernel, built into cache_dir/kernels if needed; None (reason logged)
+def load_paged_attention(cache_dir: str) -> PagedAttentionKernel | None:
+    """The paged attention kernel, built into cache_dir/kernels if needed; None (reason logged)
     where it cannot be built here. Once per process."""
-    lib = build_for_avx512_bf16("decode attention", DECODE_ATTENTION_SRC, cache_dir)
-    return None if lib is None else DecodeAttentionKernel(lib)
+    lib = build_for_avx512_bf16("paged attention", PAGED_ATTENTION_SRC, cache_dir)
+    return None if lib is None else PagedAttentionKernel(lib)

@@ -17,7 +17,7 @@ import torch
 from ..core.errors import BadRequest
 from .allocator import PageAllocator
 from .attention import AttnBatch
-from .cpu_kernels import DecodeAttentionKernel
+from .cpu_kernels import PagedAttentionKernel
 from .kv_pool import KVPool
 from .sampler import make_generator, sample
 from .scheduler import Batch, Scheduler, StepKind
@@ -47,9 +47,9 @@ class EngineStats:
 class Engine:
     def __init__(self, model: torch.nn.Module, pool: KVPool, cfg: EngineConfig,
                  device: str | torch.device = "cpu",
-                 decode_kernel: DecodeAttentionKernel | None = None):
+                 attention_kernel: PagedAttentionKernel | None = None):
         self.model = model
-        self.decode_kernel = decode_kernel  # see cpu_kernels.load_decode_attention
+        self.attention_kernel = attention_kernel  # see cpu_kernels.load_paged_attention
         self.pool = pool
         self.cfg = cfg
         self.device = torch.device(device)
@@ -153,7 +153,7 @@ class Engine:
             positions.extend(range(start, start + n))
         seq_lens = [s.num_computed + n for s, n in zip(batch.seqs, batch.new_lens)]
         attn = AttnBatch.build(seq_lens, batch.new_lens, [s.pages for s in batch.seqs],
-                               self.cfg.page_size, self.device, self.decode_kernel)
+                               self.cfg.page_size, self.device, self.attention_kernel)
         hidden = self.model(torch.tensor(ids, device=self.device),
                             torch.tensor(positions, device=self.device), attn, self.pool)
         if batch.kind is StepKind.PREFILL:

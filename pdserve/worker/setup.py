@@ -8,7 +8,7 @@ import torch
 
 from ..core.config import ServerConfig
 from ..engine.cpu_fused import load_fused_ops
-from ..engine.cpu_kernels import DecodeAttentionKernel, load_decode_attention
+from ..engine.cpu_kernels import PagedAttentionKernel, load_paged_attention
 from ..engine.engine import Engine, EngineConfig
 from ..engine.kv_pool import KVPool
 from ..engine.loader import load_model
@@ -56,13 +56,14 @@ def wants_cpu_kernels(cfg: ServerConfig, dtype: torch.dtype) -> bool:
     return cfg.cpu_kernels == "auto" and cfg.device == "cpu" and dtype is torch.bfloat16
 
 
-def decode_kernel(cfg: ServerConfig, dtype: torch.dtype, cache_dir: str) -> DecodeAttentionKernel | None:
-    """Our CPU decode-attention kernel where wanted and it builds here; None: the torch path."""
+def attention_kernel(cfg: ServerConfig, dtype: torch.dtype,
+                     cache_dir: str) -> PagedAttentionKernel | None:
+    """Our CPU paged-attention kernel where wanted and it builds here; None: the torch path."""
     if not wants_cpu_kernels(cfg, dtype):
         return None
     from ..model_files.resolve import cache_root
 
-    return load_decode_attention(cache_root(cache_dir))
+    return load_paged_attention(cache_root(cache_dir))
 
 
 def fused_ops(cfg: ServerConfig, dtype: torch.dtype, cache_dir: str):
@@ -101,4 +102,4 @@ def build_engine(cfg: ServerConfig, model_dir: str, cache_dir: str = ""):
         eos_token_ids=tuple(mcfg.eos_token_ids),
         vocab_size=mcfg.vocab_size,
     )
-    return Engine(model, pool, ecfg, device, decode_kernel(cfg, dtype, cache_dir)), mcfg, dtype
+    return Engine(model, pool, ecfg, device, attention_kernel(cfg, dtype, cache_dir)), mcfg, dtype

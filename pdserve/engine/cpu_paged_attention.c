@@ -1,10 +1,13 @@
-/* Paged decode attention for CPUs with AVX-512 BF16, bfloat16 K/V pool.
+/* Paged attention for CPUs with AVX-512 BF16, bfloat16 K/V pool.
  *
- * One call does a whole decode step of one layer: each sequence's new K/V row is stored at
- * its slot, then its query heads attend over its slots, read straight from the pool (no
- * gather copy, no padding). Numerics follow HF's eager bf16 attention: q.k summed in float32
- * and rounded to bf16, scaled and softmaxed in float32, probabilities rounded to bf16, p.v
- * summed in float32, output rounded to bf16 (round to nearest even throughout).
+ * One call does one layer of a step. Decode: each sequence's new K/V row is stored at its
+ * slot, then its query heads attend over its slots, read straight from the pool (no gather
+ * copy, no padding). Prefill: the caller stores every new K/V row first, then each new token
+ * is a query over its sequence's first position + 1 slots (causal, with or without a cached
+ * prefix); queries of one sequence read the same rows, which stay in cache.
+ * Numerics follow HF's eager bf16 attention: q.k summed in float32 and rounded to bf16,
+ * scaled and softmaxed in float32, probabilities rounded to bf16, p.v summed in float32,
+ * output rounded to bf16 (round to nearest even throughout).
  *
  * Work items are sequences (or, with few sequences, their KV heads), spread over OpenMP
  * threads; the library is loaded after torch, so it shares torch's libgomp thread pool.
@@ -124,8 +127,10 @@ static inline __attribute__((always_inline)) void attend(
         const int D, int j0, int j1, float scale, float *s) {
     const int C = D / 32, VC = D / 16, NG = PV_HEADS(D), H = (j1 - j0) * G;
     const int64_t row = len + 16;
-    memcpy(kpool + (write_slot * Hkv + j0) * D, knew + (int64_t)j0 * D, (size_t)(j1 - j0) * D * 2);
-    memcpy(vpool + (write_slot * Hkv + j0) * D, vnew + (int64_t)j0 * D, (size_t)(j1 - j0) * D * 2);
+    if (write_slot >= 0) {  /* < 0: the caller stored it (prefill: all rows before any reads) */
+        memcpy(kpool + (write_slot * Hkv + j0) * D, knew + (int64_t)j0 * D, (size_t)(j1 - j0) * D * 2);
+        memcpy(vpool + (write_slot * Hkv + j0) * D, vnew + (int64_t)j0 * D, (size_t)(j1 - j0) * D * 2);
+    }
     prefetch_rows(kpool, slots, 0, len < 2 * PF ? len : 2 * PF, Hkv, D, j0, j1);
     prefetch_rows(vpool, slots, 0, len < PF ? len : PF, Hkv, D, j0, j1);
 
@@ -193,14 +198,17 @@ static void attend_64(ATTEND_ARGS) { attend(ATTEND_PASS, 64, j0, j1, scale, s); 
 static void attend_128(ATTEND_ARGS) { attend(ATTEND_PASS, 128, j0, j1, scale, s); }
 
 /* q [B, Hq, D] (row stride q_stride), k_new/v_new [B, Hkv, D] (row strides), all bf16 with
- * heads contiguous; k_pool/v_pool: the layer's [slots, Hkv, D]; write_slots [B];
- * table [B, table_stride] slots in order; seq_lens [B] (new token included); out [B, Hq*D].
+ * heads contiguous; k_pool/v_pool: the layer's [slots, Hkv, D]; write_slots [B] (< 0: none);
+ * table [rows, table_stride] slots in order, query b reading row table_rows[b] (NULL: row b);
+ * seq_lens [B]: keys query b attends to (its own included); out [B, Hq*D].
+ * A prefill chunk is B queries of a few rows: each attends to its row's first seq_lens[b]
+ * slots (causal), with every new K/V stored beforehand.
  * Returns 0, or -1 if the shape is outside what this kernel handles. */
-int pd_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k_new, int64_t k_stride,
+int pd_paged_attention(const bf16 *q, int64_t q_stride, const bf16 *k_new, int64_t k_stride,
                         const bf16 *v_new, int64_t v_stride, bf16 *k_pool, bf16 *v_pool,
                         const int64_t *write_slots, const int64_t *table, int64_t table_stride,
-                        const int64_t *seq_lens, bf16 *out, int64_t B, int Hq, int Hkv, int D,
-                        float scale, int num_threads) {
+                        const int64_t *table_rows, const int64_t *seq_lens, bf16 *out, int64_t B,
+                        int Hq, int Hkv, int D, float scale, int num_threads) {
     void (*attend_d)(ATTEND_ARGS) = D == 32 ? attend_32 : D == 64 ? attend_64 : D == 128 ? attend_128 : 0;
     if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_GROUP || !attend_d) return -1;
     const int G = Hq / Hkv;
@@ -227,8 +235,8 @@ int pd_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k_new, int6
             int part = (int)(w % S);
             int j0 = part * Hkv / S, j1 = (part + 1) * Hkv / S;
             attend_d(q + b * q_stride, k_new + b * k_stride, v_new + b * v_stride, k_pool, v_pool,
-                     table + b * table_stride, seq_lens[b], write_slots[b], out + b * (int64_t)Hq * D,
-                     G, Hkv, j0, j1, scale, s);
+                     table + (table_rows ? table_rows[b] : b) * table_stride, seq_lens[b],
+                     write_slots[b], out + b * (int64_t)Hq * D, G, Hkv, j0, j1, scale, s);
         }
         free(s);
         _mm_setcsr(csr);

@@ -1,8 +1,9 @@
-"""Our CPU decode-attention kernel (engine/cpu_decode_attention.c via engine/cpu_kernels.py):
-as accurate as the torch path against a float64 reference at every shape it takes, stores the
-new K/V exactly where the torch path does, gives a sequence the same output alone or in any
-batch, runs inside the model and the engine, and is built once and cached; where the CPU or
-compiler lacks what it needs, the engine keeps the torch path."""
+"""Our CPU paged-attention kernel (engine/cpu_paged_attention.c via engine/cpu_kernels.py):
+decode and prefill steps (fresh prompts, chunks after a cached prefix) within bf16 rounding of
+the same math in float64 and close to the torch path, the new K/V stored exactly where the
+torch path stores them, a sequence's output the same alone or in any batch, inside the model
+and the engine; built once and cached; where the CPU or compiler lacks what it needs, the
+engine keeps the torch path."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from pdserve.engine.kv_pool import KVPool  # noqa: E402
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    k = cpu_kernels.load_decode_attention(str(tmp_path_factory.mktemp("kernels")))
+    k = cpu_kernels.load_paged_attention(str(tmp_path_factory.mktemp("kernels")))
     if k is None:
         pytest.skip("no AVX-512 BF16 CPU or no gcc here: the engine uses the torch path")
     return k
@@ -107,7 +108,7 @@ def test_a_sequence_gets_the_same_output_alone_or_in_any_batch(kernel):
 
 def _decode_args(lens, rows, page):
     b = AttnBatch.build(lens, [1] * len(lens), rows, page)
-    return b.write_slots, b.gather_slots, b.seq_lens
+    return b.write_slots, b.gather_slots, torch.tensor(lens)
 
 
 def test_shapes_it_does_not_take_go_to_the_torch_path(kernel):
@@ -146,7 +147,7 @@ def test_model_decode_step_with_kernel_matches_torch_path(kernel, tmp_path):
     torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
 
 
-def test_engine_decodes_through_the_kernel_and_frees_everything(kernel, tmp_path):
+def test_engine_runs_through_the_kernel_and_frees_everything(kernel, tmp_path):
     from tiny_model import make_tiny_model
 
     from pdserve.core.sampling import SamplingParams
@@ -162,13 +163,13 @@ def test_engine_decodes_through_the_kernel_and_frees_everything(kernel, tmp_path
         supports = staticmethod(kernel.supports)
 
         def __call__(self, *a):
-            calls.append(a[0].shape[0])
+            calls.append(("prefill" if len(a) > 8 else "decode", a[0].shape[0]))
             return kernel(*a)
 
-    def run(decode_kernel):
+    def run(attention_kernel):
         pool = KVPool(cfg.num_layers, 256, 4, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16)
         engine = Engine(model, pool, EngineConfig(num_pages=256, page_size=4, max_context=512,
-                                                  vocab_size=cfg.vocab_size), "cpu", decode_kernel)
+                                                  vocab_size=cfg.vocab_size), "cpu", attention_kernel)
         sp = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
         for i in range(6):
             engine.add(EngineRequest(f"r{i}", list(range(3, 3 + 5 * i + 1)), sp))
@@ -180,7 +181,9 @@ def test_engine_decodes_through_the_kernel_and_frees_everything(kernel, tmp_path
         return out
 
     got = run(Counting())
-    assert calls and max(calls) == 6 and len(calls) % cfg.num_layers == 0
+    assert max(n for kind, n in calls if kind == "decode") == 6
+    assert sum(n for kind, n in calls if kind == "prefill") == sum(5 * i + 1 for i in range(6)) * cfg.num_layers
+    assert len(calls) % cfg.num_layers == 0
     assert all(len(t) == 12 for t in got.values())
     want = run(None)
     # bf16 rounding may part ways late in a sequence on random weights; the start must agree
@@ -204,7 +207,7 @@ def test_build_is_cached_and_a_failed_build_says_why(tmp_path):
 
 
 def test_no_kernel_where_the_cpu_or_compiler_lacks_it(tmp_path, monkeypatch, caplog):
-    load = cpu_kernels.load_decode_attention.__wrapped__
+    load = cpu_kernels.load_paged_attention.__wrapped__
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     caplog.set_level("INFO", logger=cpu_kernels.__name__)
     assert load(str(tmp_path)) is None
@@ -219,11 +222,11 @@ def test_no_kernel_where_the_cpu_or_compiler_lacks_it(tmp_path, monkeypatch, cap
 def test_server_config_picks_the_kernel_only_where_asked(monkeypatch):
     from pdserve.worker import setup
 
-    monkeypatch.setattr(setup, "load_decode_attention", lambda cache: "built")
-    assert setup.decode_kernel(ServerConfig(), torch.bfloat16, "") == "built"
-    assert setup.decode_kernel(ServerConfig(cpu_kernels="torch"), torch.bfloat16, "") is None
-    assert setup.decode_kernel(ServerConfig(), torch.float32, "") is None
-    assert setup.decode_kernel(ServerConfig(device="cuda"), torch.bfloat16, "") is None
+    monkeypatch.setattr(setup, "load_paged_attention", lambda cache: "built")
+    assert setup.attention_kernel(ServerConfig(), torch.bfloat16, "") == "built"
+    assert setup.attention_kernel(ServerConfig(cpu_kernels="torch"), torch.bfloat16, "") is None
+    assert setup.attention_kernel(ServerConfig(), torch.float32, "") is None
+    assert setup.attention_kernel(ServerConfig(device="cuda"), torch.bfloat16, "") is None
 
 
 def test_cpu_flags_reads_proc_cpuinfo_format(tmp_path):
@@ -231,3 +234,50 @@ def test_cpu_flags_reads_proc_cpuinfo_format(tmp_path):
     f.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\nbugs\t\t: x\n")
     assert cpu_kernels.cpu_flags(str(f)) == {"fpu", "avx512f", "avx512_bf16"}
     assert cpu_kernels.cpu_flags(str(tmp_path / "missing")) == frozenset()
+
+
+def _exact_prefill(q, pool, slots_per_seq, new_lens, hf_rounding):
+    """float64 causal attention of each sequence's new tokens over its slots."""
+    hq, hkv, d = q.shape[1], pool.num_kv_heads, q.shape[2]
+    bf = (lambda x: x.bfloat16().double()) if hf_rounding else (lambda x: x)
+    outs, t = [], 0
+    for slots, new in zip(slots_per_seq, new_lens):
+        n = len(slots)
+        k = pool.k(0)[slots].double().repeat_interleave(hq // hkv, 1)
+        v = pool.v(0)[slots].double().repeat_interleave(hq // hkv, 1)
+        s = bf(torch.einsum("thd,lhd->htl", q[t:t + new].double(), k)).mul(d ** -0.5)
+        allowed = torch.arange(n).view(1, n) <= torch.arange(n - new, n).view(new, 1)
+        p = bf(s.masked_fill(~allowed, float("-inf")).softmax(-1))
+        outs.append(torch.einsum("htl,lhd->thd", p, v).reshape(new, -1))
+        t += new
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("seq_lens,new_lens", [
+    ([7, 40, 100], [7, 40, 100]),          # fresh prompts
+    ([30, 64, 17, 250], [5, 64, 1, 200]),  # chunks after a cached prefix, a decode-like row
+])
+def test_prefill_steps_through_the_kernel(kernel, seq_lens, new_lens):
+    B, hq, hkv, d, page = len(seq_lens), 9, 3, 64, 16
+    pool, rows, *_ = _case(B, hq, hkv, d, page, seq_lens, pool_pages=1024)
+    g = torch.Generator().manual_seed(7)
+    T = sum(new_lens)
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=g).bfloat16()
+    q = qkv[:, :hq * d].view(T, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(T, hkv, d)
+    before = pool.buffer.clone()
+    want = paged_attention(q, k, v, 0, AttnBatch.build(seq_lens, new_lens, rows, page), pool)
+    torch_pool = pool.buffer.clone()
+    pool.buffer.copy_(before)
+    batch = AttnBatch.build(seq_lens, new_lens, rows, page, kernel=kernel)
+    assert batch.use_kernel(q, k, pool.k(0))
+    got = paged_attention(q, k, v, 0, batch, pool)
+    assert torch.equal(pool.buffer, torch_pool)
+    slots = [batch.gather_slots[i, :n] for i, n in enumerate(seq_lens)]
+    torch.testing.assert_close(got.double(), _exact_prefill(q, pool, slots, new_lens, True),
+                               atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got.double(), _exact_prefill(q, pool, slots, new_lens, False),
+                               atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
+
