@@ -47,6 +47,7 @@ BENCHES = {
     "sweep": "pdserve.bench.sweep",
     "metrics": "pdserve.bench.metrics_overhead",
     "kv": "pdserve.bench.kv_backends_bench",
+    "kernels": "pdserve.bench.kernels_bench",
 }
 
 
