@@ -105,11 +105,11 @@ def main(argv=None) -> None:
                          "and gcc); the engine uses torch here, so there is nothing to compare")
     g = torch.Generator().manual_seed(0)
     print(f"threads={torch.get_num_threads()} repeats={a.repeats} (median ms per call)")
-    print(f"{'case':<52}{'torch':>9}{'ours':>9}{'ratio':>8}")
+    print(f"{'case':<58}{'torch':>9}{'ours':>9}{'ratio':>8}")
     for label, torch_fn, ours_fn in _attention_cases(kernel, g) + _fused_cases(ops, g):
         reps = a.repeats if label.startswith("attention") else a.repeats * 20
         t = _median_ms({"torch": torch_fn, "ours": ours_fn}, reps)
-        print(f"{label:<52}{t['torch']:>9.3f}{t['ours']:>9.3f}{t['torch'] / t['ours']:>7.2f}x",
+        print(f"{label:<58}{t['torch']:>9.3f}{t['ours']:>9.3f}{t['torch'] / t['ours']:>7.2f}x",
               flush=True)
 
 
