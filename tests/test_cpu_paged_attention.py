@@ -161,6 +161,7 @@ def test_engine_runs_through_the_kernel_and_frees_everything(kernel, tmp_path):
 
     class Counting:
         supports = staticmethod(kernel.supports)
+        supports_model = staticmethod(kernel.supports_model)
 
         def __call__(self, *a):
             calls.append(("prefill" if len(a) > 8 else "decode", a[0].shape[0]))
@@ -281,3 +282,31 @@ def test_prefill_steps_through_the_kernel(kernel, seq_lens, new_lens):
                                atol=5e-2, rtol=5e-2)
     torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
 
+
+
+def test_a_model_the_kernel_does_not_take_runs_on_the_torch_path(kernel, tmp_path):
+    """head_dim 16 (the tiny test model) in bf16: the engine drops the kernel, and a batch
+    built with one anyway still attends through torch when the kernel declines the call."""
+    from tiny_model import make_tiny_model
+
+    from pdserve.core.sampling import SamplingParams
+    from pdserve.engine.engine import Engine, EngineConfig
+    from pdserve.engine.loader import load_model
+    from pdserve.engine.sequence import EngineRequest
+
+    model, cfg = load_model(make_tiny_model(str(tmp_path / "m")), torch.bfloat16, "cpu")
+    assert cfg.head_dim == 16
+    pool = KVPool(cfg.num_layers, 64, 4, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16)
+    engine = Engine(model, pool, EngineConfig(num_pages=64, page_size=4, max_context=512,
+                                              vocab_size=cfg.vocab_size), "cpu", kernel)
+    assert engine.attention_kernel is None
+    engine.add(EngineRequest("r", list(range(3, 20)), SamplingParams(max_new_tokens=3,
+                                                                     temperature=0.0)))
+    while engine.has_work():
+        engine.step()
+    assert engine.allocator.free_count == 64
+    q = torch.randn(7, cfg.num_heads, 16).bfloat16()
+    k = v = torch.randn(7, cfg.num_kv_heads, 16).bfloat16()
+    batch = AttnBatch.build([7], [7], [[0, 1]], 4, kernel=kernel)
+    assert not batch.use_kernel(q, k, pool.k(0))
+    assert paged_attention(q, k, v, 0, batch, pool).shape == (7, cfg.num_heads * 16)

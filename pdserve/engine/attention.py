@@ -92,19 +92,6 @@ class AttnBatch:
             return AttnBatch(AttnShape.DECODE, write.to(device),
                              gather_slots=slots.contiguous().to(device), mask=mask, key_bias=bias,
                              kernel=kernel, key_counts=seq.to(device) if kernel else None)
-        if kernel is not None:
-            # each new token is a query over its sequence's first (position + 1) slots, read
-            # from the pool after all new K/V are stored: causal with or without a prefix
-            news = torch.tensor(new_lens)
-            rows = torch.repeat_interleave(torch.arange(B), news)
-            ends = torch.tensor(seq_lens)[rows]
-            last = torch.cumsum(news, 0)[rows]  # one past the flat index of its sequence's last token
-            counts = ends - (last - torch.arange(len(rows))) + 1
-            writes = torch.cat([slots[i, n - new:n] for i, (n, new) in
-                                enumerate(zip(seq_lens, new_lens))])
-            return AttnBatch(AttnShape.PER_SEQUENCE, writes.to(device),
-                             gather_slots=slots.contiguous().to(device), kernel=kernel,
-                             key_counts=counts.to(device), query_rows=rows.to(device))
         spans, writes, start = [], [], 0
         for i, (n, new) in enumerate(zip(seq_lens, new_lens)):
             writes.append(slots[i, n - new:n])
@@ -116,7 +103,19 @@ class AttnBatch:
                 span.mask = (kpos <= qpos).to(device)
             spans.append(span)
             start += new
-        return AttnBatch(AttnShape.PER_SEQUENCE, torch.cat(writes).to(device), spans=spans)
+        batch = AttnBatch(AttnShape.PER_SEQUENCE, torch.cat(writes).to(device), spans=spans)
+        if kernel is not None:  # (spans stay for the torch path: the kernel may not take q)
+            # each new token is a query over its sequence's first (position + 1) slots, read
+            # from the pool after all new K/V are stored: causal with or without a prefix
+            news = torch.tensor(new_lens)
+            rows = torch.repeat_interleave(torch.arange(B), news)
+            ends = torch.tensor(seq_lens)[rows]
+            last = torch.cumsum(news, 0)[rows]  # one past the flat index of its sequence's last token
+            batch.kernel = kernel
+            batch.key_counts = (ends - (last - torch.arange(len(rows))) + 1).to(device)
+            batch.query_rows = rows.to(device)
+            batch.gather_slots = slots.contiguous().to(device)
+        return batch
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,

@@ -81,13 +81,16 @@ class PagedAttentionKernel:
         self.path = lib
 
     @staticmethod
-    def supports(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
-        """Whether this call shape is one the kernel handles (else use the torch path)."""
-        Hq, D = q.shape[1], q.shape[2]
-        Hkv = k_pool.shape[1]
-        return (q.device.type == "cpu" and q.dtype is torch.bfloat16
-                and k_pool.dtype is torch.bfloat16 and D in (32, 64, 128)
-                and Hq % Hkv == 0 and Hq // Hkv <= 16)
+    def supports_model(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        """Whether the kernel handles a model of this dtype and attention shape."""
+        return (dtype is torch.bfloat16 and head_dim in (32, 64, 128)
+                and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16)
+
+    @classmethod
+    def supports(cls, q: torch.Tensor, k_pool: torch.Tensor) -> bool:
+        """Whether this call is one the kernel handles (else use the torch path)."""
+        return (q.device.type == "cpu" and k_pool.dtype is q.dtype
+                and cls.supports_model(q.dtype, q.shape[1], k_pool.shape[1], q.shape[2]))
 
     def __call__(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                  k_pool: torch.Tensor, v_pool: torch.Tensor, write_slots: torch.Tensor,

@@ -49,6 +49,9 @@ class Engine:
                  device: str | torch.device = "cpu",
                  attention_kernel: PagedAttentionKernel | None = None):
         self.model = model
+        if attention_kernel is not None and not attention_kernel.supports_model(
+                pool.dtype, model.cfg.num_heads, pool.num_kv_heads, pool.head_dim):
+            attention_kernel = None  # e.g. head_dim 80: the torch path
         self.attention_kernel = attention_kernel  # see cpu_kernels.load_paged_attention
         self.pool = pool
         self.cfg = cfg
