@@ -126,7 +126,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
             return batch.kernel(q, k, v, pool.k(layer), pool.v(layer), batch.write_slots,
                                 batch.gather_slots, batch.key_counts)
         pool.write(layer, batch.write_slots, k, v)  # every row before any query reads
-        return batch.kernel(q, k, v, pool.k(layer), pool.v(layer), _no_writes(q.shape[0]),
+        return batch.kernel(q, k, v, pool.k(layer), pool.v(layer), None,
                             batch.gather_slots, batch.key_counts, batch.query_rows)
     pool.write(layer, batch.write_slots, k.to(pool.dtype), v.to(pool.dtype))
     if batch.shape is AttnShape.DECODE:
@@ -139,10 +139,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         vv = pool.v(layer).view(-1, D).index_select(0, batch.head_rows).view(B, Hkv, L, D)
         return _decode_attention(q, kk.to(q.dtype), vv.to(q.dtype), batch)
     return torch.cat([_sequence_attention(q, k, v, span, layer, pool) for span in batch.spans])
-
-
-def _no_writes(n: int) -> torch.Tensor:
-    return torch.full((n,), -1, dtype=torch.long)
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -93,11 +93,11 @@ class PagedAttentionKernel:
                 and cls.supports_model(q.dtype, q.shape[1], k_pool.shape[1], q.shape[2]))
 
     def __call__(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                 k_pool: torch.Tensor, v_pool: torch.Tensor, write_slots: torch.Tensor,
+                 k_pool: torch.Tensor, v_pool: torch.Tensor, write_slots: torch.Tensor | None,
                  table: torch.Tensor, seq_lens: torch.Tensor,
                  table_rows: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, Hq, D]; k_new, v_new [B, Hkv, D] (rows may be strided, heads contiguous);
-        k_pool, v_pool [slots, Hkv, D] contiguous; write_slots [B] (-1: already stored),
+        k_pool, v_pool [slots, Hkv, D] contiguous; write_slots [B] (None: already stored),
         table [rows, L], seq_lens [B] (keys each query reads) and table_rows [B] (its table
         row; None: row b) int64 -> [B, Hq*D]."""
         B, Hq, D = q.shape
@@ -108,7 +108,8 @@ class PagedAttentionKernel:
         out = torch.empty(B, Hq * D, dtype=q.dtype)
         rc = self._fn(q.data_ptr(), q.stride(0), k_new.data_ptr(), k_new.stride(0),
                       v_new.data_ptr(), v_new.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
-                      write_slots.data_ptr(), table.data_ptr(), table.stride(0),
+                      None if write_slots is None else write_slots.data_ptr(),
+                      table.data_ptr(), table.stride(0),
                       None if table_rows is None else table_rows.data_ptr(), seq_lens.data_ptr(),
                       out.data_ptr(), B, Hq, Hkv, D, D ** -0.5, torch.get_num_threads())
         if rc != 0:

@@ -198,7 +198,7 @@ static void attend_64(ATTEND_ARGS) { attend(ATTEND_PASS, 64, j0, j1, scale, s); 
 static void attend_128(ATTEND_ARGS) { attend(ATTEND_PASS, 128, j0, j1, scale, s); }
 
 /* q [B, Hq, D] (row stride q_stride), k_new/v_new [B, Hkv, D] (row strides), all bf16 with
- * heads contiguous; k_pool/v_pool: the layer's [slots, Hkv, D]; write_slots [B] (< 0: none);
+ * heads contiguous; k_pool/v_pool: the layer's [slots, Hkv, D]; write_slots [B] (NULL: none);
  * table [rows, table_stride] slots in order, query b reading row table_rows[b] (NULL: row b);
  * seq_lens [B]: keys query b attends to (its own included); out [B, Hq*D].
  * A prefill chunk is B queries of a few rows: each attends to its row's first seq_lens[b]
@@ -236,7 +236,8 @@ int pd_paged_attention(const bf16 *q, int64_t q_stride, const bf16 *k_new, int64
             int j0 = part * Hkv / S, j1 = (part + 1) * Hkv / S;
             attend_d(q + b * q_stride, k_new + b * k_stride, v_new + b * v_stride, k_pool, v_pool,
                      table + (table_rows ? table_rows[b] : b) * table_stride, seq_lens[b],
-                     write_slots[b], out + b * (int64_t)Hq * D, G, Hkv, j0, j1, scale, s);
+                     write_slots ? write_slots[b] : -1, out + b * (int64_t)Hq * D, G, Hkv, j0, j1,
+                     scale, s);
         }
         free(s);
         _mm_setcsr(csr);

@@ -4,7 +4,9 @@ Tokens of all sequences in a step are one flat [T] batch; only attention needs t
 sequence a token belongs to, and `paged_attention` handles that from the `AttnBatch`.
 For speed, q/k/v are one matmul and gate/up another, RoPE reads a precomputed cos/sin
 table by position, rotating q and k (adjacent in the fused output) in one go, and after loading
-the matmul weights may be packed into the CPU kernel's own layout (`pack_weights`).
+the matmul weights may be packed into the CPU kernel's own layout (`pack_weights`). Each
+residual add runs with the next norm; norms and RoPE go through `TorchOps` or, in bf16 on CPU,
+our bit-identical C versions (`use_fused_ops`).
 """
 
 from __future__ import annotations

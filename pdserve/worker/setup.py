@@ -51,28 +51,27 @@ def num_kv_pages(cfg: ServerConfig, bytes_per_page: int, device: str) -> int:
     return max(16, int(free * cfg.mem_fraction) // bytes_per_page)
 
 
-def wants_cpu_kernels(cfg: ServerConfig, dtype: torch.dtype) -> bool:
-    """Our C kernels apply on CPU in bfloat16 unless --cpu-kernels torch."""
-    return cfg.cpu_kernels == "auto" and cfg.device == "cpu" and dtype is torch.bfloat16
+def kernel_cache(cfg: ServerConfig, dtype: torch.dtype, cache_dir: str) -> str | None:
+    """Where our C kernels are built, or None where they are not wanted: they apply on CPU in
+    bfloat16 unless --cpu-kernels torch."""
+    if cfg.cpu_kernels != "auto" or cfg.device != "cpu" or dtype is not torch.bfloat16:
+        return None
+    from ..model_files.resolve import cache_root
+
+    return cache_root(cache_dir)
 
 
 def attention_kernel(cfg: ServerConfig, dtype: torch.dtype,
                      cache_dir: str) -> PagedAttentionKernel | None:
     """Our CPU paged-attention kernel where wanted and it builds here; None: the torch path."""
-    if not wants_cpu_kernels(cfg, dtype):
-        return None
-    from ..model_files.resolve import cache_root
-
-    return load_paged_attention(cache_root(cache_dir))
+    where = kernel_cache(cfg, dtype, cache_dir)
+    return None if where is None else load_paged_attention(where)
 
 
 def fused_ops(cfg: ServerConfig, dtype: torch.dtype, cache_dir: str):
     """Our fused norm/RoPE ops (cpu_fused.FusedOps) where wanted and they build; else None."""
-    if not wants_cpu_kernels(cfg, dtype):
-        return None
-    from ..model_files.resolve import cache_root
-
-    return load_fused_ops(cache_root(cache_dir))
+    where = kernel_cache(cfg, dtype, cache_dir)
+    return None if where is None else load_fused_ops(where)
 
 
 def build_engine(cfg: ServerConfig, model_dir: str, cache_dir: str = ""):
