@@ -178,7 +178,7 @@ def test_engine_runs_through_the_kernel_and_frees_everything(kernel, tmp_path):
         while engine.has_work():
             for o in engine.step():
                 out.setdefault(o.rid, []).append(o.token_id)
-        assert engine.allocator.free_count == 256 and not engine.seqs
+        assert engine.cache.available == 256 and not engine.seqs
         return out
 
     got = run(Counting())
@@ -304,7 +304,7 @@ def test_a_model_the_kernel_does_not_take_runs_on_the_torch_path(kernel, tmp_pat
                                                                      temperature=0.0)))
     while engine.has_work():
         engine.step()
-    assert engine.allocator.free_count == 64
+    assert engine.cache.available == 64
     q = torch.randn(7, cfg.num_heads, 16).bfloat16()
     k = v = torch.randn(7, cfg.num_kv_heads, 16).bfloat16()
     batch = AttnBatch.build([7], [7], [[0, 1]], 4, kernel=kernel)

@@ -84,7 +84,7 @@ def drive(engine: Engine, arrivals: dict[int, list[EngineRequest]],
 
 def assert_idle(engine: Engine) -> None:
     s = engine.stats()
-    assert (s.free_pages, s.running, s.waiting, s.held_pages) == (s.total_pages, 0, 0, 0), s
+    assert (s.free_pages + s.cached_pages, s.running, s.waiting, s.held_pages) == (s.total_pages, 0, 0, 0), s
     assert not engine.seqs and not engine.held
 
 

@@ -77,7 +77,7 @@ def _run(model, cfg, requests: list[EngineRequest]) -> dict[str, tuple[list[int]
             if o.token_id is not None:
                 out[o.rid][0].append(o.token_id)
                 out[o.rid][1].append(o.logprob)
-    assert engine.allocator.free_count == 256
+    assert engine.cache.available == 256
     return out
 
 

@@ -3,6 +3,8 @@
 Life of a request: add() queues it; step() runs one scheduled batch (a prefill chunk or a
 decode step), samples, checks stops and returns StepOutputs; finished requests free their
 pages unless they asked to hold them (hold_kv), in which case release() frees them later.
+Freed full pages stay in the prefix cache (prefix_cache.py) for later requests to reuse,
+until eviction needs them or flush_cache() forgets them.
 KV import for another engine's prefill: reserve() pages, fill them from outside, then
 add_prefilled() continues decoding from the given first token.
 """
@@ -19,6 +21,7 @@ from .allocator import PageAllocator
 from .attention import AttnBatch
 from .cpu_kernels import PagedAttentionKernel
 from .kv_pool import KVPool
+from .prefix_cache import CacheCounters, PrefixCache
 from .sampler import make_generator, sample
 from .scheduler import Batch, Scheduler, StepKind
 from .sequence import EngineRequest, Sequence, SeqStatus, StepOutput
@@ -33,15 +36,18 @@ class EngineConfig:
     max_context: int = 8192
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int = 0
+    prefix_cache: bool = True
 
 
 @dataclass(frozen=True)
 class EngineStats:
     total_pages: int
     free_pages: int
+    cached_pages: int
     running: int
     waiting: int
     held_pages: int
+    cache: CacheCounters
 
 
 class Engine:
@@ -57,7 +63,8 @@ class Engine:
         self.cfg = cfg
         self.device = torch.device(device)
         self.allocator = PageAllocator(cfg.num_pages)
-        self.scheduler = Scheduler(self.allocator, cfg.page_size, cfg.max_running, cfg.prefill_budget)
+        self.cache = PrefixCache(self.allocator, cfg.page_size, cfg.prefix_cache)
+        self.scheduler = Scheduler(self.cache, cfg.page_size, cfg.max_running, cfg.prefill_budget)
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, list[int]] = {}  # finished hold_kv requests and reservations
 
@@ -98,17 +105,23 @@ class Engine:
         return EngineStats(
             total_pages=self.cfg.num_pages,
             free_pages=self.allocator.free_count,
+            cached_pages=self.cache.cached_pages,
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
             held_pages=sum(len(p) for p in self.held.values()),
+            cache=self.cache.counters(),
         )
+
+    def flush_cache(self) -> int:
+        """Forget every cached prefix (requests in flight keep their pages); -> pages freed."""
+        return self.cache.flush()
 
     # ---- KV import/export -----------------------------------------------------------------
     def reserve(self, rid: str, num_tokens: int) -> list[int] | None:
         """Pages for num_tokens tokens, held under rid until release() or add_prefilled()."""
         if rid in self.held or rid in self.seqs:
             raise BadRequest(f"request id {rid} is already in use")
-        pages = self.allocator.alloc(self.scheduler.pages_for(num_tokens))
+        pages = self.cache.alloc(self.scheduler.pages_for(num_tokens))
         if pages is not None:
             self.held[rid] = pages
         return pages
@@ -117,7 +130,7 @@ class Engine:
         pages = self.held.pop(rid, None)
         if pages is None:
             return False
-        self.allocator.free(pages)
+        self.cache.release(pages)
         return True
 
     def add_prefilled(self, req: EngineRequest, first_token: int,
@@ -126,6 +139,8 @@ class Engine:
         pages = self.held.pop(req.rid)
         seq = Sequence(req, generator=make_generator(req.sampling.seed), pages=pages,
                        num_computed=len(req.prompt_ids), status=SeqStatus.RUNNING)
+        seq.cached_tokens = 0
+        self.scheduler.offer_full_pages(seq)
         self.seqs[req.rid] = seq
         self.scheduler.running.append(seq)
         return self._emit(seq, first_token, first_logprob)
@@ -163,6 +178,7 @@ class Engine:
             return self._finish_prefill(batch, hidden)
         for seq in batch.seqs:
             seq.num_computed += 1
+            self.scheduler.offer_full_pages(seq)
         return self._sample_and_emit(batch.seqs, self.model.raw_logits(hidden))
 
     def _finish_prefill(self, batch: Batch, hidden: torch.Tensor) -> list[StepOutput]:
@@ -226,7 +242,8 @@ class Engine:
     def _output(self, seq: Sequence, token: int | None, logprob: float | None,
                 **kw) -> StepOutput:
         out = StepOutput(seq.rid, token, logprob if seq.req.return_logprob else None,
-                         prompt_tokens=len(seq.req.prompt_ids), **kw)
+                         prompt_tokens=len(seq.req.prompt_ids), cached_tokens=seq.cached_tokens or 0,
+                         **kw)
         if seq.input_logprobs is not None and not seq.sent_input_logprobs:
             out.input_logprobs = seq.input_logprobs
             seq.sent_input_logprobs = True

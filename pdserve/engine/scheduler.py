@@ -6,6 +6,11 @@ when a decode step runs out of pages the newest running sequence is preempted (p
 recomputed later from its tokens). A prompt part-way through its prefill holds pages too; when
 the head of the queue cannot grow, the partial prefills queued behind it give theirs back, so
 the queue never stalls (every request fits the pool alone, see Engine.validate).
+
+Pages come from the prefix cache (prefix_cache.py): a sequence scheduled for the first time
+(or again after losing its pages) starts from its longest cached prefix of full pages, at
+least one token short of its end so the step still yields logits; each full page it computes
+is offered to the cache. Cached pages nobody references count as free: allocation evicts them.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass
 
-from .allocator import PageAllocator
+from .prefix_cache import PrefixCache, chain_hashes
 from .sequence import Sequence, SeqStatus
 
 
@@ -31,9 +36,9 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, page_size: int, max_running: int,
+    def __init__(self, cache: PrefixCache, page_size: int, max_running: int,
                  prefill_budget: int):
-        self.allocator = allocator
+        self.cache = cache
         self.page_size = page_size
         self.max_running = max_running
         self.prefill_budget = prefill_budget
@@ -47,7 +52,7 @@ class Scheduler:
         need = self.pages_for(num_tokens) - len(seq.pages)
         if need <= 0:
             return True
-        got = self.allocator.alloc(need)
+        got = self.cache.alloc(need)
         if got is None:
             return False
         seq.pages.extend(got)
@@ -62,6 +67,8 @@ class Scheduler:
         for seq in self.waiting:
             if budget <= 0 or active + len(seqs) >= self.max_running:
                 break
+            if not seq.pages:
+                self._attach_prefix(seq)
             chunk = min(seq.num_tokens - seq.num_computed, budget)
             grown = self._grow(seq, seq.num_computed + chunk)
             if not grown and not seqs and self._reclaim_behind(seq, seq.num_computed + chunk):
@@ -73,18 +80,52 @@ class Scheduler:
             budget -= chunk
         return Batch(StepKind.PREFILL, seqs, lens) if seqs else None
 
+    def _attach_prefix(self, seq: Sequence) -> None:
+        """Start a page-less sequence from its longest cached prefix (none when it wants
+        logprobs of its prompt: those need every position computed)."""
+        seq.num_computed = 0
+        if not self.cache.enabled or seq.req.return_logprob:
+            if seq.cached_tokens is None:
+                seq.cached_tokens = 0
+            return
+        usable = (seq.num_tokens - 1) // self.page_size  # keep >= 1 token to compute
+        if len(seq.page_keys) < usable:
+            seq.page_keys = chain_hashes(seq.tokens(0, usable * self.page_size), self.page_size,
+                                         seq.page_keys)
+        seq.pages = self.cache.match(seq.page_keys[:usable])
+        seq.num_computed = len(seq.pages) * self.page_size
+        seq.offered = len(seq.pages)
+        if seq.cached_tokens is None:
+            seq.cached_tokens = min(seq.num_computed, len(seq.req.prompt_ids))
+            self.cache.count_lookup(len(seq.req.prompt_ids), seq.cached_tokens)
+
+    def offer_full_pages(self, seq: Sequence) -> None:
+        """Offer the cache every full page of `seq` computed since the last offer."""
+        full = seq.num_computed // self.page_size
+        if full <= seq.offered or not self.cache.enabled:
+            return
+        if len(seq.page_keys) < full:
+            seq.page_keys = chain_hashes(seq.tokens(0, full * self.page_size), self.page_size,
+                                         seq.page_keys)
+        for i in range(seq.offered, full):
+            self.cache.insert(seq.pages[i], seq.page_keys[i])
+        seq.offered = full
+
+    def _drop_pages(self, seq: Sequence) -> None:
+        self.cache.release(seq.pages)
+        seq.pages = []
+        seq.num_computed = seq.offered = 0
+
     def _reclaim_behind(self, head: Sequence, num_tokens: int) -> bool:
         """Free enough pages for `head` to hold num_tokens by taking them from partial prefills
         queued behind it, newest first (they restart their prefill later). True on success."""
         need = self.pages_for(num_tokens) - len(head.pages)
         for seq in reversed(self.waiting):
-            if seq is head or self.allocator.free_count >= need:
+            if seq is head or self.cache.available >= need:
                 break
             if seq.pages:
-                self.allocator.free(seq.pages)
-                seq.pages = []
-                seq.num_computed = 0
-        return self.allocator.free_count >= need
+                self._drop_pages(seq)
+        return self.cache.available >= need
 
     def _schedule_decode(self) -> Batch | None:
         while self.running:
@@ -99,6 +140,7 @@ class Scheduler:
     def after_prefill(self, seq: Sequence, chunk: int) -> bool:
         """Account a prefilled chunk; True when the whole sequence is now in the pool."""
         seq.num_computed += chunk
+        self.offer_full_pages(seq)
         if seq.num_computed < seq.num_tokens:
             return False
         self.waiting.remove(seq)
@@ -108,9 +150,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.allocator.free(seq.pages)
-        seq.pages = []
-        seq.num_computed = 0
+        self._drop_pages(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -120,6 +160,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if free_pages:
-            self.allocator.free(seq.pages)
+            self.cache.release(seq.pages)
             seq.pages = []
         seq.status = SeqStatus.FINISHED

@@ -34,6 +34,7 @@ class StepOutput:
     finish_reason: dict | None = None
     input_logprobs: list[float | None] | None = None  # with the first token, when asked
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     held_pages: list[int] | None = None  # finished hold_kv requests: their KV pages
 
 
@@ -47,6 +48,9 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     input_logprobs: list[float | None] | None = None
     sent_input_logprobs: bool = False
+    page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full pages
+    offered: int = 0  # leading pages already offered to the prefix cache
+    cached_tokens: int | None = None  # prompt tokens reused from the cache, set when first scheduled
 
     @property
     def rid(self) -> str:
