@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transfer-backend", default="tcp", choices=["tcp", "mooncake"])
     p.add_argument("--max-total-tokens", type=int, default=32768, help="KV pool tokens per worker")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--disable-prefix-cache", "--disable-radix-cache", action="store_true",
+                   help="no KV reuse across requests on the prefill and decode servers")
     p.add_argument("--policy", default="round_robin")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--log-dir", default=None, help="where the children's logs go (default: a new temp dir)")
@@ -132,6 +134,8 @@ class Cluster:
         a = self.a
         common = ["--model", self.model_dir, "--host", a.host, "--transfer-backend", a.transfer_backend,
                   "--max-total-tokens", str(a.max_total_tokens), "--dtype", a.dtype]
+        if a.disable_prefix_cache:
+            common.append("--disable-prefix-cache")
         self._spawn("prefill", ["serve", "--role", "prefill", "--port", str(a.prefill_port),
                                 "--dp-size", str(a.prefill_dp), "--bootstrap-port", str(a.bootstrap_port),
                                 *common])

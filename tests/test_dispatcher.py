@@ -221,3 +221,15 @@ def test_events_finish_release_and_stop_string_abort():
     assert pool.aborted == ["s"]
     active.close()
     assert pool.aborted == ["s"] and idle(disp)
+
+
+def test_minimum_tokens_counts_only_what_the_cache_did_not_hold():
+    """A rank whose prefix cache held most of a prompt is less loaded than its raw token count."""
+    d = DPDispatcher(2, LBMethod.MINIMUM_TOKENS)
+    d.started(0, 1000)
+    d.started(1, 600)
+    assert d.choose(None).dp_rank == 1
+    d.reused(0, 900)  # the worker reported 900 cached prompt tokens
+    assert d.loads[0].tokens == 100 and d.choose(None).dp_rank == 0
+    d.finished(0, 1000 - 900)
+    assert d.loads[0].tokens == 0

@@ -382,7 +382,8 @@ def test_counters_move_by_exactly_the_traffic_sent(cluster):
     for srv, role in ((after["p"], "prefill"), (after["d"], "decode")):
         for rank in (0, 1):
             assert value(srv, "pdserve_worker_up", role=role, dp_rank=rank) == 1
-            assert value(srv, "pdserve_kv_pages_free", role=role, dp_rank=rank) == \
+            assert value(srv, "pdserve_kv_pages_free", role=role, dp_rank=rank) + \
+                value(srv, "pdserve_kv_pages_cached", role=role, dp_rank=rank) == \
                 value(srv, "pdserve_kv_pages_total", role=role, dp_rank=rank) > 0
             for g in ("running_requests", "waiting_requests", "preallocated_requests", "inflight_transfers"):
                 assert value(srv, f"pdserve_worker_{g}", role=role, dp_rank=rank) == 0

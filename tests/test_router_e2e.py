@@ -116,6 +116,21 @@ def test_generate_single_equals_colocated(router, reference, servers):
     assert_idle(*servers[1:])
 
 
+def test_flush_cache_reaches_every_server(router, reference, servers):
+    """POST /flush_cache on the router empties the prefix cache of each prefill and decode rank."""
+    for prompt in PROMPTS:  # fill the caches on both sides
+        assert post(router.url, "/generate", {"text": prompt, "sampling_params": GREEDY}).status_code == 200
+    P, D = servers[1], servers[2]
+    before = sum(w["cached_pages"] for s in (P, D) for w in s.wait_idle(timeout=20))
+    assert before > 0
+    r = httpx.post(router.url + "/flush_cache", timeout=30)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["success"] and {x["url"] for x in got["servers"]} == {P.url, D.url}
+    assert sum(x["flushed_pages"] for x in got["servers"]) == before
+    assert all(w["cached_pages"] == 0 and w["free_pages"] == w["total_pages"] for s in (P, D) for w in s.info()["workers"])
+
+
 def test_generate_batch_equals_colocated(router, reference):
     r = post(router.url, "/generate", {"text": PROMPTS, "sampling_params": GREEDY})
     assert r.status_code == 200, r.text

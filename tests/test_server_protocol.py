@@ -228,12 +228,15 @@ def test_worker_error_finishes_with_error():
 
 def test_native_reply_shape():
     p = progress(ids=(0, 1), return_logprob=True)
-    p.apply(TokenOutput("r", [2], [-0.5], prompt_tokens=2, input_logprobs=[None, -1.0], meta={"dp_rank": 1}))
+    assert item_reply(p, LetterTok(), text_in_logprobs=True)["meta_info"]["cached_tokens"] == 0  # type: ignore
+    p.apply(TokenOutput("r", [2], [-0.5], prompt_tokens=2, cached_tokens=1, input_logprobs=[None, -1.0],
+                        meta={"dp_rank": 1}))
     p.apply(TokenOutput("r", [3], [-0.25], finished=True, finish_reason={"type": "length", "length": 2}))
     out = item_reply(p, LetterTok(), text_in_logprobs=True)  # type: ignore[arg-type]
     assert out["text"] == "cd" and out["output_ids"] == [2, 3]
     m = out["meta_info"]
     assert (m["id"], m["prompt_tokens"], m["completion_tokens"], m["dp_rank"]) == ("r", 2, 2, 1)
+    assert m["cached_tokens"] == 1  # kept from the first output (later ones say 0)
     assert m["finish_reason"] == {"type": "length", "length": 2} and m["e2e_latency"] >= 0
     assert m["input_token_logprobs"] == [[None, 0, "a"], [-1.0, 1, "b"]]
     assert m["output_token_logprobs"] == [[-0.5, 2, "c"], [-0.25, 3, "d"]]
@@ -252,8 +255,8 @@ def test_openai_stream_deltas_concatenate_to_full(tok, chat):
     progs = [ItemProgress(it, LetterTok()) for it in call.items]  # type: ignore[arg-type]
     feed = [(0, "ab"), (1, "xy"), (0, "cd"), (1, "z"), (0, "ef")]
     chunks = []
-    for k, s in feed:
-        progs[k].apply(TokenOutput(progs[k].rid, letters(s), [-0.5] * len(s)))
+    for k, s in feed:  # the worker reports 16 cached prompt tokens; n=2 samples count the prompt once
+        progs[k].apply(TokenOutput(progs[k].rid, letters(s), [-0.5] * len(s), cached_tokens=16))
         chunks.append(reply.chunk(progs[k]))
     progs[1].apply(TokenOutput(progs[1].rid, [], finished=True, finish_reason={"type": "length", "length": 3}))
     chunks.append(reply.chunk(progs[1]))
@@ -274,6 +277,7 @@ def test_openai_stream_deltas_concatenate_to_full(tok, chat):
             assert sum(len(ch["logprobs"]["tokens"]) for ch in mine) == len(full["choices"][k]["logprobs"]["tokens"])
     assert full["choices"][0]["finish_reason"] == "stop" and full["choices"][0]["matched_stop"] == "cde"
     assert full["usage"] == {"prompt_tokens": len(call.items[0].input_ids), "completion_tokens": 8,
-                             "total_tokens": len(call.items[0].input_ids) + 8}
+                             "total_tokens": len(call.items[0].input_ids) + 8,
+                             "prompt_tokens_details": {"cached_tokens": 16}}
     assert all(c["usage"] is None for c in chunks)
     assert reply.usage_chunk(progs)["choices"] == []

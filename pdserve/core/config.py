@@ -18,8 +18,9 @@ class Role(str, enum.Enum):
 LB_METHODS = ("auto", "round_robin", "shortest_queue", "minimum_tokens", "follow_bootstrap_room")
 
 
-def _opt(help: str, choices: tuple | None = None, **kw):
-    return field(metadata={"help": help, "choices": choices}, **kw)
+def _opt(help: str, choices: tuple | None = None, aliases: tuple[str, ...] = (), **kw):
+    """A config field; `aliases`: other flag names users know it by (e.g. SGLang's)."""
+    return field(metadata={"help": help, "choices": choices, "aliases": aliases}, **kw)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,9 @@ class ServerConfig:
                                default=0.05)
     max_running_requests: int = _opt("max requests decoding at once per worker", default=64)
     chunked_prefill_size: int = _opt("max prompt tokens prefilled per step", default=512)
+    disable_prefix_cache: bool = _opt(
+        "do not reuse KV pages of earlier requests' prompts (the prefix cache is on by default)",
+        default=False, aliases=("--disable-radix-cache",))
     context_length: int = _opt("max prompt + output tokens (0 = the model's)", default=0)
     cpu_kernels: str = _opt("bfloat16 on CPU: auto (our AVX-512 BF16 C kernels for attention, "
                             "norms and RoPE, built with gcc at first use, where the CPU has it) or "
@@ -82,8 +86,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[s
         kind = hints[f.name]
         meta = f.metadata
         kw: dict = {"help": meta.get("help", ""), "dest": f.name}
+        names = (_flag(f.name), *meta.get("aliases", ()))
         if kind is bool:
-            parser.add_argument(_flag(f.name), action="store_true", default=default, **kw)
+            parser.add_argument(*names, action="store_true", default=default, **kw)
             continue
         if isinstance(default, enum.Enum):
             kw["type"] = str
@@ -92,7 +97,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[s
             kw["type"] = kind if kind in (int, float, str) else str
         if meta.get("choices"):
             kw["choices"] = meta["choices"]
-        parser.add_argument(_flag(f.name), default=default, **kw)
+        parser.add_argument(*names, default=default, **kw)
 
 
 def dataclass_from_args(cls: type, args: argparse.Namespace, **override):

@@ -51,6 +51,7 @@ class RoomFailedNotice:
 @dataclass(frozen=True)
 class StatsReq:
     req_id: int
+    flush_cache: bool = False  # empty the prefix cache first (POST /flush_cache)
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class TokenOutput:
     finished: bool = False
     finish_reason: dict | None = None  # {"type": "stop"|"length"|"abort", "matched": ...}
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV was reused (prefix cache), with every output
     input_logprobs: list[float | None] | None = None  # first output only, when asked
     error: ErrorInfo | None = None
     meta: dict = field(default_factory=dict)  # extra meta_info, e.g. handoff timings

@@ -35,10 +35,11 @@ ORDER = {s.value: i for i, s in enumerate(Stage)}
 STAGE_FACTS: dict[Stage, tuple[tuple[str, str], ...]] = {
     Stage.DISPATCH: (("dp_rank", "dp_rank"), ("reason", "dispatch_reason")),
     Stage.RANK_RESOLUTION: (("prefill_dp_rank", "prefill_dp_rank"), ("path", "dp_rank_path")),
+    Stage.SCHEDULED: (("cached_tokens", "cached_tokens"),),  # prompt tokens the prefix cache held
     Stage.LAST_KV_BYTE: (("bytes", "kv_bytes"),),
 }
 TOP_FACTS = ("bootstrap_room", "prefill_dp_rank", "decode_dp_rank", "dp_rank", "dispatch_reason",
-             "dp_rank_path", "failure_cause")
+             "dp_rank_path", "cached_tokens", "failure_cause")
 
 
 def transfer_stages(write: dict) -> dict[str, float]:

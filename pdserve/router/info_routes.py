@@ -1,4 +1,5 @@
-"""The router's non-generation routes: health, health_generate, server_info, model info, metrics."""
+"""The router's non-generation routes: health, health_generate, server_info, model info, metrics,
+and flush_cache (sent on to every server)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pdserve.core.errors import Unavailable
 from .config import RouterConfig
 from .legs import LegClient, upstream_error_text
 from .metrics import RouterMetrics
-from .pd_body import encode
+from .pd_body import decode, encode
 from .upstream import Upstream, UpstreamPool
 
 
@@ -32,6 +33,8 @@ class InfoRoutes:
         for path in ("/model_info", "/get_model_info", "/v1/models"):
             app.router.add_get(path, self.from_first_decode)
         app.router.add_get("/metrics", self.metrics_text)
+        for method in ("POST", "GET"):  # as sglang-router and SGLang's servers
+            app.router.add_route(method, "/flush_cache", self.flush_cache)
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while at least one prefill and one decode server are selectable."""
@@ -89,6 +92,29 @@ class InfoRoutes:
         except Exception as exc:
             raise Unavailable(f"decode server {up.url} {request.path}: {type(exc).__name__}: {exc}") from None
         return web.Response(status=status, body=raw, content_type="application/json")
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """Every prefill and decode server empties its prefix cache; 503 naming those that failed."""
+        ups = self.pool.all()
+        timeout = self.cfg.health_check_timeout_secs
+        results = await asyncio.gather(*(self._flush_one(up, timeout) for up in ups))
+        failed = [r["error"] for r in results if "error" in r]
+        if failed:
+            raise Unavailable("flush_cache failed on: " + "; ".join(failed))
+        return _json({"success": True, "message": "Cache flushed on every server.", "servers": results})
+
+    async def _flush_one(self, up: Upstream, timeout: float) -> dict:
+        try:
+            status, raw = await self.legs.post_status(up.url + "/flush_cache", timeout)
+        except Exception as exc:
+            return {"url": up.url, "error": f"{up.role.value} server {up.url}: {type(exc).__name__}: {exc}"}
+        if status >= 400:
+            return {"url": up.url, "error": f"{up.role.value} server {up.url}: {status} {upstream_error_text(raw)[0]}"}
+        try:
+            flushed = decode(raw).get("flushed_pages")
+        except Exception:
+            flushed = None
+        return {"url": up.url, "role": up.role.value, "flushed_pages": flushed}
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})

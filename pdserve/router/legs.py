@@ -222,6 +222,12 @@ class LegClient:
             raise RuntimeError(f"GET {url} did not return a JSON object")
         return data
 
+    async def post_status(self, url: str, timeout: float) -> tuple[int, bytes]:
+        """POST with no body (admin routes such as /flush_cache) -> (status, body)."""
+        async with self._session.post(url, headers=self._headers,
+                                      timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            return resp.status, await resp.read()
+
     async def get_status(self, url: str, timeout: float) -> tuple[int, bytes]:
         async with self._session.get(url, headers=self._headers,
                                      timeout=aiohttp.ClientTimeout(total=timeout)) as resp:

@@ -176,6 +176,10 @@ def build_app(front: Front, should_abort: Callable[[], bool] | None = None) -> F
             "id": front.model_name, "object": "model", "created": int(time.time()), "owned_by": "pdserve",
             "root": front.model_dir, "max_model_len": front.generator.limits.max_context}]}
 
+    @app.api_route("/flush_cache", methods=["POST", "GET"])  # SGLang serves both
+    async def flush_cache():
+        return await front.flush_cache()
+
     @app.get("/metrics")
     async def metrics():
         return Response(await front.metrics_text(), media_type=front.metrics.content_type)

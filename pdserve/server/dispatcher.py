@@ -1,7 +1,8 @@
 """DP dispatcher: picks which data-parallel worker rank takes a request item.
 
 Methods (DESIGN section 4): round_robin, shortest_queue (fewest requests in flight),
-minimum_tokens (fewest prompt + max_new tokens in flight), follow_bootstrap_room
+minimum_tokens (fewest prompt + max_new tokens in flight, less the prompt tokens the rank's
+prefix cache already held once its worker says so), follow_bootstrap_room
 (room % dp_size; round_robin without a room). `auto` is resolved by the server role before
 the dispatcher is built. In-flight load is what this front sent and has not seen finish.
 """
@@ -75,6 +76,10 @@ class DPDispatcher:
     def started(self, rank: int, tokens: int) -> None:
         self.loads[rank].requests += 1
         self.loads[rank].tokens += tokens
+
+    def reused(self, rank: int, tokens: int) -> None:
+        """Tokens of an item in flight on `rank` that its prefix cache held: they cost nothing."""
+        self.loads[rank].tokens = max(0, self.loads[rank].tokens - tokens)
 
     def finished(self, rank: int, tokens: int) -> None:
         load = self.loads[rank]

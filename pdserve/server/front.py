@@ -137,6 +137,18 @@ class Front:
         self.metrics.worker_liveness(self.cfg.dp_size, self.pool.dead)
         return self.metrics.render()
 
+    async def flush_cache(self) -> dict:
+        """Empty the prefix cache of every live DP rank. Requests in flight are not disturbed:
+        they keep the pages they hold, which are freed rather than cached when they finish."""
+        stats = await self.pool.stats(self.stats_timeout_s, flush_cache=True)
+        ranks = [{"dp_rank": s.dp_rank, "flushed_pages": s.extra.get("flushed_pages", 0),
+                  "free_pages": s.free_pages, "cached_pages": s.cached_pages} for s in stats]
+        log.info("prefix cache flushed: %s", ", ".join(f"rank {r['dp_rank']} {r['flushed_pages']} pages"
+                                                      for r in ranks))
+        return {"success": True, "message": "Cache flushed.",
+                "flushed_pages": sum(r["flushed_pages"] for r in ranks), "workers": ranks,
+                "dead_workers": sorted(self.pool.dead)}
+
     def model_info(self) -> dict:
         return {"model_path": self.model_dir, "tokenizer_path": self.model_dir, "is_generation": True,
                 "served_model_name": self.model_name}
@@ -163,6 +175,7 @@ class Front:
             "version": __version__, "instance_id": self.cfg.instance_id, "host": self.cfg.host, "port": self.cfg.port,
             "context_length": limits.max_context, "vocab_size": limits.vocab_size,
             "max_total_num_tokens": min(s.total_pages for s in stats) * page_size,
+            "disable_radix_cache": self.cfg.disable_prefix_cache,  # SGLang's name for the prefix cache
             "workers": workers,  # live ranks only; the dead ones are under dead_workers
             "dead_workers": [{"dp_rank": r, "reason": why} for r, why in sorted(self.pool.dead.items())],
             "admission": self.admission.stats(),

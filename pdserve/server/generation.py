@@ -53,6 +53,7 @@ class ActiveRequest:
         self._sink: asyncio.Queue = asyncio.Queue()
         self._sent: set[str] = set()
         self._released: set[str] = set()
+        self._reused: dict[str, int] = {}  # rid -> cached prompt tokens taken off its rank's load
         self._closed = False
 
     def send_all(self) -> None:
@@ -67,7 +68,12 @@ class ActiveRequest:
         if rid not in self._released:
             self._released.add(rid)
             it, d = self._where[rid]
-            self._gen.dispatcher.finished(d.dp_rank, _cost(it))
+            self._gen.dispatcher.finished(d.dp_rank, _cost(it) - self._reused.get(rid, 0))
+
+    def _note_reuse(self, prog: ItemProgress) -> None:
+        if prog.cached_tokens and prog.rid not in self._reused and prog.rid not in self._released:
+            self._reused[prog.rid] = prog.cached_tokens
+            self._gen.dispatcher.reused(self._where[prog.rid][1].dp_rank, prog.cached_tokens)
 
     def unfinished(self) -> list[str]:
         return [rid for rid, p in self.progress.items() if not p.finished]
@@ -95,6 +101,7 @@ class ActiveRequest:
             n_before, prev_token_at = len(prog.output_ids), prog.last_token_at
             if prog.apply(out):
                 self._gen.pool.abort(out.rid, "stop string matched")
+            self._note_reuse(prog)
             self._gen.metrics.tokens_arrived(prog, len(prog.output_ids) - n_before, prev_token_at)
             if prog.finished:
                 self._release(out.rid)

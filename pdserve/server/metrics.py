@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
                                generate_latest)
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..core.failures import CONFLICT_PREFIX, FailureCause, cause_of_error
@@ -37,6 +38,29 @@ RANK_GAUGES = {  # WorkerStats field (or extra key) -> gauge name, help
     "free_pages": ("pdserve_kv_pages_free", "free KV pool pages"),
     "cached_pages": ("pdserve_kv_pages_cached", "KV pool pages held only by the prefix cache"),
 }
+
+
+CACHE_COUNTERS = {  # the workers' prefix_cache stats key -> counter name, help
+    "queried_tokens": ("pdserve_prefix_cache_queried_tokens", "prompt tokens looked up in the prefix cache"),
+    "hit_tokens": ("pdserve_prefix_cache_hit_tokens", "prompt tokens whose KV the prefix cache held"),
+    "evicted_pages": ("pdserve_prefix_cache_evicted_pages", "cached KV pages evicted to make room"),
+}
+
+
+class _WorkerCounters:
+    """Counters kept by the workers themselves (cumulative since each worker started), exported
+    as the last values seen; a restarted worker starts again from 0, as Prometheus expects."""
+
+    def __init__(self, role: str):
+        self.role = role
+        self.last: dict[int, dict] = {}  # dp_rank -> the worker's prefix_cache stats
+
+    def collect(self):
+        for key, (name, doc) in CACHE_COUNTERS.items():
+            fam = CounterMetricFamily(name, doc, labels=("role", "dp_rank"))
+            for rank, c in sorted(self.last.items()):
+                fam.add_metric((self.role, str(rank)), c.get(key, 0))
+            yield fam
 
 
 class FrontMetrics:
@@ -91,6 +115,8 @@ class FrontMetrics:
         self.handoff_rooms = Gauge("pdserve_handoff_rooms", "PD rooms by handoff state", ("role", "dp_rank", "state"),
                                    registry=r)
         self._states_seen: set[str] = set()
+        self.worker_counters = _WorkerCounters(role)
+        r.register(self.worker_counters)
 
     # ---- the request path ------------------------------------------------------------------
     def http_request(self, route: str, status: int) -> None:
@@ -174,6 +200,8 @@ class FrontMetrics:
                 if v is None:
                     v = s.extra.get(key, 0)
                 gauge.labels(self.role, rank).set(v)
+            if isinstance(s.extra.get("prefix_cache"), dict):
+                self.worker_counters.last[s.dp_rank] = s.extra["prefix_cache"]
             states = s.extra.get("handoff_states") or {}
             self._states_seen.update(states)
             for state in self._states_seen:

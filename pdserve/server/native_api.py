@@ -70,6 +70,7 @@ def item_reply(prog: ItemProgress, tok: ServerTokenizer, text_in_logprobs: bool,
     meta.update({
         "id": prog.rid,
         "prompt_tokens": prog.prompt_tokens,
+        "cached_tokens": prog.cached_tokens,
         "completion_tokens": len(prog.output_ids),
         "finish_reason": prog.finish_reason,
         "e2e_latency": round(prog.e2e_latency(), 6),

@@ -69,9 +69,11 @@ class OpenAIReply:
     # ---- whole replies -----------------------------------------------------------------------
     def usage(self, progs: list[ItemProgress]) -> dict:
         n = self.call.n
-        prompt = sum(p.prompt_tokens for p in progs if p.item.index % n == 0)
+        firsts = [p for p in progs if p.item.index % n == 0]
+        prompt = sum(p.prompt_tokens for p in firsts)
         completion = sum(len(p.output_ids) for p in progs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(p.cached_tokens for p in firsts)}}
 
     def _choice(self, prog: ItemProgress) -> dict:
         c: dict = {"index": prog.item.index}

@@ -38,6 +38,7 @@ class ItemProgress:
         self.output_logprobs: list[float] = []
         self.input_logprobs: list[float | None] | None = None
         self.prompt_tokens = len(item.input_ids)
+        self.cached_tokens = 0  # prompt tokens reused from a prefix cache (the worker says)
         self.finish_reason: dict | None = None
         self.error: ErrorInfo | None = None
         self.meta: dict = {}
@@ -54,7 +55,7 @@ class ItemProgress:
 
     def timeline(self) -> dict:
         """meta_info["timeline"]: the stages so far with the room and both ranks."""
-        return build_timeline(self.stages, {**self.meta, **self.facts})
+        return build_timeline(self.stages, {**self.meta, **self.facts, "cached_tokens": self.cached_tokens})
 
     @property
     def rid(self) -> str:
@@ -84,6 +85,8 @@ class ItemProgress:
             self.last_token_at = now
         if out.prompt_tokens:
             self.prompt_tokens = out.prompt_tokens
+        if out.cached_tokens:
+            self.cached_tokens = out.cached_tokens
         if out.input_logprobs is not None:
             self.input_logprobs = list(out.input_logprobs)
         if out.error is not None:

@@ -208,8 +208,9 @@ class WorkerPool:
     def in_flight(self) -> int:
         return sum(1 for s in self._streams.values() if s.sink is not None)
 
-    async def stats(self, timeout_s: float = 5.0) -> list[WorkerStats]:
-        """A fresh WorkerStats from every live rank, in rank order (the dead ones are in `dead`)."""
+    async def stats(self, timeout_s: float = 5.0, flush_cache: bool = False) -> list[WorkerStats]:
+        """A fresh WorkerStats from every live rank, in rank order (the dead ones are in `dead`);
+        `flush_cache`: each rank empties its prefix cache first (extra["flushed_pages"])."""
         live = {r for r in range(self.dp_size) if r not in self.dead}
         if not live:
             raise Unavailable(f"every dp worker is gone: {self.dead}")
@@ -218,7 +219,7 @@ class WorkerPool:
         self._stats[req_id] = rnd
         try:
             for r in sorted(live):
-                self._send(r, StatsReq(req_id))
+                self._send(r, StatsReq(req_id, flush_cache))
             await asyncio.wait_for(asyncio.shield(rnd.future), timeout_s)
         except asyncio.TimeoutError:
             missing = sorted(rnd.want - set(rnd.got))

@@ -119,6 +119,7 @@ class DecodeRole(WorkerRole):
                 aux["first_token"], aux.get("first_logprob"))
             if step.finished:
                 self.rooms.pop(req.rid, None)
+            step.cached_tokens = int(aux.get("cached_tokens") or 0)  # reused on the prefill side
             outs.append(to_token_output(step, done.meta, done.stages))
         return outs
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import asdict
 
 from ..core.messages import (AbortReq, GenerateReq, OutputBatch, RoomFailedNotice, ShutdownReq,
                              StatsReq, TokenOutput, WorkerStats)
@@ -66,7 +67,8 @@ class WorkerLoop:
             self.role.on_room_failed(msg.room, msg.reason)
             return []
         if isinstance(msg, StatsReq):
-            self.channel.send(self.stats(msg.req_id))
+            flushed = self.engine.flush_cache() if msg.flush_cache else None
+            self.channel.send(self.stats(msg.req_id, flushed))
             return []
         if isinstance(msg, ShutdownReq):
             self.running = False
@@ -74,16 +76,21 @@ class WorkerLoop:
         log.warning("worker %d: unknown message %r", self.dp_rank, type(msg).__name__)
         return []
 
-    def stats(self, req_id: int) -> WorkerStats:
+    def stats(self, req_id: int, flushed_pages: int | None = None) -> WorkerStats:
         s = self.engine.stats()
+        extra = {"held_pages": s.held_pages, "time": time.time(),
+                 "prefix_cache": {"enabled": self.engine.cache.enabled, **asdict(s.cache)},
+                 **self.role.stats_extra()}
+        if flushed_pages is not None:
+            extra["flushed_pages"] = flushed_pages
         return WorkerStats(
             req_id=req_id,
             dp_rank=self.dp_rank,
             total_pages=s.total_pages,
             free_pages=s.free_pages,
-            cached_pages=0,
+            cached_pages=s.cached_pages,
             running_requests=s.running,
             waiting_requests=s.waiting,
             inflight_transfers=self.role.inflight_transfers(),
-            extra={"held_pages": s.held_pages, "time": time.time(), **self.role.stats_extra()},
+            extra=extra,
         )

@@ -69,7 +69,8 @@ class PrefillRole(WorkerRole):
             self.first[o.rid] = o
             self.sender.prefill_done(room, o.held_pages or [], {
                 "first_token": o.token_id, "first_logprob": o.logprob,
-                "input_logprobs": o.input_logprobs, "prompt_len": o.prompt_tokens})
+                "input_logprobs": o.input_logprobs, "prompt_len": o.prompt_tokens,
+                "cached_tokens": o.cached_tokens})
         return local + self.poll()
 
     def on_abort(self, rid: str, reason: str) -> list[TokenOutput]:

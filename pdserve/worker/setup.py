@@ -100,5 +100,6 @@ def build_engine(cfg: ServerConfig, model_dir: str, cache_dir: str = ""):
         max_context=max_context,
         eos_token_ids=tuple(mcfg.eos_token_ids),
         vocab_size=mcfg.vocab_size,
+        prefix_cache=not cfg.disable_prefix_cache,
     )
     return Engine(model, pool, ecfg, device, attention_kernel(cfg, dtype, cache_dir)), mcfg, dtype
