@@ -48,6 +48,7 @@ BENCHES = {
     "metrics": "pdserve.bench.metrics_overhead",
     "kv": "pdserve.bench.kv_backends_bench",
     "kernels": "pdserve.bench.kernels_bench",
+    "cache-parity": "pdserve.bench.cache_parity",
 }
 
 

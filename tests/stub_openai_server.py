@@ -1,9 +1,12 @@
 """A stub LLM server for bench tests: `/generate`, `/v1/completions` and `/v1/chat/completions`,
-all streamed, with a configurable TTFT, per-token delay and error rate.
+all streamed, with a configurable TTFT, per-token delay and error rate, and a toy prefix cache
+whose hits it can report as cached prompt tokens.
 
 Run: `python tests/stub_openai_server.py [--ttft S] [--token-delay S] ...`; it binds a free port on
 127.0.0.1 and prints `READY <port>`. POST /_stub/config {field: value} changes the config and
-resets the stats; GET /_stub/stats reports arrivals, peak concurrency and the request bodies.
+resets the stats; GET /_stub/stats reports arrivals, peak concurrency, the request bodies, the
+answers streamed, when each reply ended and the cached tokens reported (all by body index).
+Prompt "tokens" are the whitespace words of the prompt text (chat: the messages' contents).
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ class StubConfig:
     report_usage: bool = True  # False: no usage / meta_info counts (client must count itself)
     eos_after: int = 0  # > 0: stop after this many tokens unless ignore_eos is set
     model: str = "stub-model"
+    report_cached: bool = False  # report cached_tokens: the longest word prefix of an earlier prompt
+    tag_answers: bool = False  # answer tokens "r<body index>.<i>" (unique) instead of "tok<i>"
+    fail_marker: str = ""  # fail (as error_mode says) every request whose body JSON contains it
 
 
 @dataclass
@@ -36,6 +42,9 @@ class StubStats:
     arrivals: list[float] = field(default_factory=list)  # time.monotonic() of each request
     bodies: list[dict] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
+    answers: list[str] = field(default_factory=list)  # full text streamed ("" until it starts)
+    ends: list[float] = field(default_factory=list)  # time.monotonic() a reply finished (0: never)
+    cached: list[int] = field(default_factory=list)  # cached_tokens the toy cache found
     inflight: int = 0
     max_inflight: int = 0
     errors_injected: int = 0
@@ -57,6 +66,20 @@ class Stub:
     def __init__(self, cfg: StubConfig):
         self.cfg = cfg
         self.stats = StubStats()
+        self.seen: list[list[str]] = []  # prompt words of every request (the toy prefix cache)
+
+    def _cache_lookup(self, words: list[str]) -> int:
+        """Words of the longest prefix `words` shares with an earlier prompt, then remember it."""
+        best = 0
+        for old in self.seen:
+            n = 0
+            for a, b in zip(old, words):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        self.seen.append(words)
+        return best
 
     def _should_fail(self, index: int) -> bool:
         r = self.cfg.error_rate
@@ -83,12 +106,18 @@ class Stub:
                 return self._error(400, "body is not JSON")
             stats.bodies.append(body)
             stats.paths.append(request.path)
-            return await self._serve(request, body, self._should_fail(index), ticket)
+            stats.answers.append("")
+            stats.ends.append(0.0)
+            words = _prompt_words(body)
+            stats.cached.append(self._cache_lookup(words))
+            marked = bool(self.cfg.fail_marker) and self.cfg.fail_marker in json.dumps(body)
+            return await self._serve(request, body, self._should_fail(index) or marked, ticket,
+                                     len(stats.bodies) - 1, words)
         finally:
             ticket.release()
 
-    async def _serve(self, request: web.Request, body: dict, fail: bool,
-                     ticket: "_InflightTicket") -> web.StreamResponse:
+    async def _serve(self, request: web.Request, body: dict, fail: bool, ticket: "_InflightTicket",
+                     bi: int, words: list[str]) -> web.StreamResponse:
         native = request.path == "/generate"
         params = body.get("sampling_params", {}) if native else body
         n = params.get("max_new_tokens" if native else "max_tokens")
@@ -107,7 +136,14 @@ class Stub:
         await resp.prepare(request)
         emit = _EMITTERS[request.path]
         usage = body.get("stream_options", {}).get("include_usage") or native
-        prompt_tokens = len(json.dumps(body.get("text", body.get("prompt", body.get("messages")))).split())
+        prompt_tokens = len(words)
+        cached = self.stats.cached[bi] if self.cfg.report_cached else None
+        tag = f"r{bi}." if self.cfg.tag_answers else "tok"
+
+        def tok(a: int, b: int) -> str:
+            return "".join(f"{tag}{i} " for i in range(a, b))
+
+        self.stats.answers[bi] = tok(0, n)
         await asyncio.sleep(self.cfg.ttft)
         done, k = 0, max(1, self.cfg.tokens_per_chunk)
         while done < n:
@@ -115,17 +151,19 @@ class Stub:
             if done:
                 await asyncio.sleep(self.cfg.token_delay * step)
             done += step
-            counts = (prompt_tokens, done) if self.cfg.report_usage else None
-            await _send(resp, emit(done - step, done, n, counts))
+            counts = (prompt_tokens, done, cached) if self.cfg.report_usage else None
+            await _send(resp, emit(tok, done - step, done, n, counts))
             if fail and self.cfg.error_mode == "stream":
                 self.stats.errors_injected += 1
                 await _send(resp, {"error": {"message": "stub injected stream error",
                                              "type": "internal_error"}})
                 break
         if usage and self.cfg.report_usage and not native and not fail:
-            await _send(resp, {"id": "stub", "choices": [],
-                               "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                                         "total_tokens": prompt_tokens + n}})
+            u = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+            if cached is not None:
+                u["prompt_tokens_details"] = {"cached_tokens": cached}
+            await _send(resp, {"id": "stub", "choices": [], "usage": u})
+        self.stats.ends[bi] = time.monotonic()
         ticket.release()
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -144,34 +182,41 @@ class Stub:
             return self._error(400, f"config keys must be among {sorted(known)}")
         self.cfg = replace(self.cfg, **changes)
         self.stats = StubStats()
+        self.seen = []
         return web.json_response(asdict(self.cfg))
 
     async def get_stats(self, _: web.Request) -> web.Response:
         return web.json_response(asdict(self.stats))
 
 
-def _tokens(a: int, b: int) -> str:
-    return "".join(f"tok{i} " for i in range(a, b))
+def _prompt_words(body: dict) -> list[str]:
+    if isinstance(body.get("messages"), list):
+        return " ".join(str(m.get("content", "")) for m in body["messages"]
+                        if isinstance(m, dict)).split()
+    prompt = body.get("text", body.get("prompt"))
+    return (prompt if isinstance(prompt, str) else json.dumps(prompt)).split()
 
 
 def _finish(done: int, n: int) -> str | None:
     return "length" if done == n else None
 
 
-def _native(a: int, b: int, n: int, counts) -> dict:
+def _native(tok, a: int, b: int, n: int, counts) -> dict:
     meta = {"id": "stub", "finish_reason": {"type": "length", "length": n} if b == n else None}
     if counts:
         meta.update(prompt_tokens=counts[0], completion_tokens=counts[1])
-    return {"text": _tokens(0, b), "meta_info": meta}
+        if counts[2] is not None:
+            meta["cached_tokens"] = counts[2]
+    return {"text": tok(0, b), "meta_info": meta}
 
 
-def _completions(a: int, b: int, n: int, counts) -> dict:
+def _completions(tok, a: int, b: int, n: int, counts) -> dict:
     return {"id": "stub", "object": "text_completion",
-            "choices": [{"index": 0, "text": _tokens(a, b), "finish_reason": _finish(b, n)}]}
+            "choices": [{"index": 0, "text": tok(a, b), "finish_reason": _finish(b, n)}]}
 
 
-def _chat(a: int, b: int, n: int, counts) -> dict:
-    delta = {"content": _tokens(a, b)}
+def _chat(tok, a: int, b: int, n: int, counts) -> dict:
+    delta = {"content": tok(a, b)}
     if a == 0:
         delta["role"] = "assistant"
     return {"id": "stub", "object": "chat.completion.chunk",

@@ -2,13 +2,19 @@
 
 Poisson arrivals draw exponential gaps from a seeded RNG, so a run is reproducible;
 `fixed` spaces requests evenly; an infinite rate sends everything at once.
+`gather_on_schedule` starts coroutines at those times.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import math
 import random
+import time
+from typing import Awaitable, Callable, TypeVar
+
+T = TypeVar("T")
 
 
 class ArrivalKind(str, enum.Enum):
@@ -32,3 +38,20 @@ def arrival_offsets(num_requests: int, rate: float, kind: ArrivalKind, seed: int
         offsets.append(t)
         t += rng.expovariate(rate)
     return offsets
+
+
+async def gather_on_schedule(offsets: list[float], t0: float,
+                             start: Callable[[int], Awaitable[T]]) -> list[T]:
+    """Start `start(i)` at perf_counter time `t0 + offsets[i]`, await them all in order;
+    cancels whatever is still running when interrupted."""
+    tasks: list[asyncio.Task] = []
+    try:
+        for i, offset in enumerate(offsets):
+            delay = t0 + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(start(i)))
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()

@@ -33,6 +33,7 @@ class StreamState:
     text: str = ""
     completion_tokens: int | None = None
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,13 @@ class StreamEvent:
     content: bool = False
     completion_tokens: int | None = None
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens the server served from its prefix cache
     error: str | None = None
+
+
+def _count(value) -> int | None:
+    """A token count from a reply, or None when it is missing or not an int (unknown, not 0)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _error_text(err) -> str:
@@ -68,7 +75,8 @@ class Backend(ABC):
 
 
 class PDServeBackend(Backend):
-    """Native `/generate`: each event holds the cumulative text and meta_info counts."""
+    """Native `/generate`: each event holds the cumulative text and meta_info counts
+    (`cached_tokens`: prompt tokens found in the prefix cache)."""
 
     name, path = "pdserve", "/generate"
 
@@ -92,10 +100,14 @@ class PDServeBackend(Backend):
         done = meta.get("completion_tokens")
         grew = isinstance(done, int) and done > (state.completion_tokens or 0)
         return StreamEvent(text=delta, content=bool(delta) or grew, completion_tokens=done,
-                           prompt_tokens=meta.get("prompt_tokens"))
+                           prompt_tokens=meta.get("prompt_tokens"),
+                           cached_tokens=_count(meta.get("cached_tokens")))
 
 
 class _OpenAIBackend(Backend):
+    """OpenAI routes; `include_usage` makes the last event carry usage, whose
+    `prompt_tokens_details.cached_tokens` is the prefix-cache hit when the server reports it."""
+
     def _common(self, req: BenchRequest, opts: BackendOptions) -> dict:
         return {"model": opts.model, "max_tokens": req.output_len, "temperature": opts.temperature,
                 "stream": True, "stream_options": {"include_usage": True},
@@ -108,6 +120,7 @@ class _OpenAIBackend(Backend):
         if "error" in data:
             return StreamEvent(error=_error_text(data["error"]))
         usage = data.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
         text = ""
         for choice in data.get("choices") or []:
             if choice.get("finish_reason") in ("abort", "error"):
@@ -115,7 +128,8 @@ class _OpenAIBackend(Backend):
             text += self._choice_text(choice) or ""
         return StreamEvent(text=text, content=bool(text),
                            completion_tokens=usage.get("completion_tokens"),
-                           prompt_tokens=usage.get("prompt_tokens"))
+                           prompt_tokens=usage.get("prompt_tokens"),
+                           cached_tokens=_count(details.get("cached_tokens")))
 
 
 class OpenAICompletionsBackend(_OpenAIBackend):
@@ -132,7 +146,8 @@ class OpenAIChatBackend(_OpenAIBackend):
     name, path = "openai-chat", "/v1/chat/completions"
 
     def payload(self, req: BenchRequest, opts: BackendOptions) -> dict:
-        msgs = [{"role": "user", "content": req.prompt}]
+        msgs = ([{"role": m.role, "content": m.content} for m in req.messages]
+                or [{"role": "user", "content": req.prompt}])
         return {**self._common(req, opts), "messages": msgs, **opts.extra_body}
 
     def _choice_text(self, choice: dict) -> str:
@@ -192,6 +207,8 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict, headers:
                 state.completion_tokens = ev.completion_tokens
             if ev.prompt_tokens is not None:
                 state.prompt_tokens = ev.prompt_tokens
+            if ev.cached_tokens is not None:
+                state.cached_tokens = ev.cached_tokens
     return "stream ended before data: [DONE]"
 
 
@@ -200,6 +217,15 @@ async def send_request(session: aiohttp.ClientSession, url: str, backend: Backen
                        timeout_s: float, headers: dict | None = None,
                        counter: TokenCounter | None = None) -> RequestRecord:
     """Post one streaming request and fill `record`; every failure lands in record.error."""
+    return (await send_and_read(session, url, backend, req, opts, record, timeout_s, headers,
+                                counter))[0]
+
+
+async def send_and_read(session: aiohttp.ClientSession, url: str, backend: Backend,
+                        req: BenchRequest, opts: BackendOptions, record: RequestRecord,
+                        timeout_s: float, headers: dict | None = None,
+                        counter: TokenCounter | None = None) -> tuple[RequestRecord, str]:
+    """`send_request` that also returns the streamed text (a multi-turn chat resends it)."""
     state = StreamState()
     chunk_times: list[float] = []
     body = backend.payload(req, opts)
@@ -214,7 +240,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, backend: Backen
     except aiohttp.ClientError as e:
         record.error = f"{type(e).__name__}: {e}".rstrip(": ")
     if record.error:
-        return record
+        return record, state.text
     end = time.perf_counter()
     record.success = True
     record.ttft = chunk_times[0] - start
@@ -222,10 +248,11 @@ async def send_request(session: aiohttp.ClientSession, url: str, backend: Backen
     record.itl = [b - a for a, b in zip(chunk_times, chunk_times[1:])]
     record.chunks = len(chunk_times)
     record.server_prompt_tokens = state.prompt_tokens
+    record.cached_tokens = state.cached_tokens
     if state.completion_tokens is not None:
         record.output_len = state.completion_tokens
     elif counter is not None and counter.exact:
         record.output_len = counter.count(state.text)
     else:
         record.output_len = len(chunk_times)
-    return record
+    return record, state.text

@@ -1,4 +1,5 @@
-"""Benchmark prompts: synthetic random-length prompts or conversations read from a local file.
+"""Benchmark prompts: synthetic random-length prompts, shared-prefix prompt groups, or
+conversations read from a local file.
 
 Token counts come from a local tokenizer.json (the `tokenizers` library) when one is given,
 otherwise from whitespace-separated words (an approximation). Nothing is downloaded.
@@ -30,12 +31,24 @@ travel answer remember notice gather share teach learn allow offer improve produ
 
 
 @dataclass(frozen=True)
+class Message:
+    """One chat message (`role` is "user" or "assistant")."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
 class BenchRequest:
-    """One prompt to send: `prompt_len` is its token count, `output_len` the tokens to ask for."""
+    """One prompt to send: `prompt_len` is its token count, `output_len` the tokens to ask for.
+
+    `messages`, when set, is the same prompt as a chat (multi-turn); the chat backend sends it,
+    completion-style backends send `prompt`, its text framing."""
 
     prompt: str
     prompt_len: int
     output_len: int
+    messages: tuple[Message, ...] = ()
 
 
 class TokenCounter:
@@ -78,6 +91,20 @@ def sample_lengths(rng: random.Random, target: int, range_ratio: float) -> int:
     return rng.randint(low, max(low, target))
 
 
+def words_text(rng: random.Random, n_tokens: int, counter: TokenCounter, head: str = "") -> str:
+    """`head` (if any), then random WORDS, `n_tokens` tokens in all: exact in words; with a
+    tokenizer drawn long, cut at a token end and regrown when the cut re-tokenizes short."""
+    need = n_tokens - (counter.count(head) if head else 0)
+    # Words usually hold >= 1 token each; draw extra so the tokenizer can trim to n_tokens.
+    words = " ".join(rng.choices(WORDS, k=max(1, need) if not counter.exact else max(1, need) + 8))
+    text = counter.truncate(f"{head} {words}" if head else words, n_tokens)
+    for _ in range(4 if counter.exact else 0):  # a cut mid-word can re-tokenize shorter
+        if counter.count(text) >= n_tokens:
+            break
+        text = counter.truncate(text + " " + " ".join(rng.choices(WORDS, k=8)), n_tokens)
+    return text
+
+
 def random_requests(num_prompts: int, input_len: int, output_len: int, range_ratio: float,
                     seed: int, counter: TokenCounter) -> list[BenchRequest]:
     """Synthetic prompts of random words with input/output lengths drawn from the ranges."""
@@ -90,14 +117,55 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, range_rat
     for _ in range(num_prompts):
         n_in = sample_lengths(rng, input_len, range_ratio)
         n_out = sample_lengths(rng, output_len, range_ratio)
-        # Words usually hold >= 1 token each; draw extra so the tokenizer can trim to n_in.
-        words = rng.choices(WORDS, k=n_in if not counter.exact else n_in + 8)
-        text = counter.truncate(" ".join(words), n_in)
-        for _ in range(4 if counter.exact else 0):  # a cut mid-word can re-tokenize shorter
-            if counter.count(text) >= n_in:
-                break
-            text = counter.truncate(text + " " + " ".join(rng.choices(WORDS, k=8)), n_in)
+        text = words_text(rng, n_in, counter)
         out.append(BenchRequest(prompt=text, prompt_len=counter.count(text), output_len=n_out))
+    return out
+
+
+def distinct_texts(rng: random.Random, count: int, n_tokens: int, counter: TokenCounter,
+                   taken: set[str] | None = None, head: str = "") -> list[str]:
+    """`count` words_text texts (each `head`, then its own words) whose first own words (first
+    two when count > len(WORDS)) all differ, so no two share more than `head`; texts in `taken`
+    are skipped and the new ones added to it."""
+    k = 1 if count <= len(WORDS) else 2
+    start = f"{head} " if head else ""
+    taken = set() if taken is None else taken
+    keys: set[tuple[str, ...]] = set()
+    out: list[str] = []
+    for _ in range(50 * count + 100):
+        if len(out) == count:
+            break
+        text = words_text(rng, n_tokens, counter, head)
+        key = tuple(text[len(start):].split()[:k])
+        if text.startswith(start) and len(key) == k and key not in keys and text not in taken:
+            keys.add(key)
+            taken.add(text)
+            out.append(text)
+    if len(out) < count:
+        raise ValueError(f"cannot make {count} distinct texts of {n_tokens} tokens; "
+                         "use longer texts or fewer of them")
+    return out
+
+
+def shared_prefix_requests(num_prefixes: int, suffixes_per_prefix: int, prefix_len: int,
+                           suffix_len: int, output_len: int, seed: int,
+                           counter: TokenCounter) -> list[BenchRequest]:
+    """`num_prefixes` x `suffixes_per_prefix` prompts "prefix suffix" (vLLM's prefix_repetition).
+
+    Prefixes differ from their first word on, so only same-prefix prompts can share a cache;
+    the suffixes of one prefix differ from their first word too. The order is shuffled with
+    `seed`, so same-prefix requests are interleaved rather than sent back to back."""
+    if min(num_prefixes, suffixes_per_prefix, prefix_len, suffix_len, output_len) < 1:
+        raise ValueError("prefix and suffix counts and lengths and output_len must be >= 1")
+    rng = random.Random(seed)
+    prefixes = distinct_texts(rng, num_prefixes, prefix_len, counter)
+    taken: set[str] = set()
+    out = []
+    for prefix in prefixes:  # the suffix is counted in place, so prompts are prefix_len + suffix_len
+        for text in distinct_texts(rng, suffixes_per_prefix, prefix_len + suffix_len, counter,
+                                   taken, head=prefix):
+            out.append(BenchRequest(prompt=text, prompt_len=counter.count(text), output_len=output_len))
+    rng.shuffle(out)
     return out
 
 

@@ -26,6 +26,9 @@ class RequestRecord:
     error: str = ""
     output_len: int = 0
     server_prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens the server reported as prefix-cache hits
+    conversation: int | None = None  # multi-turn: which conversation, and which turn of it
+    turn: int | None = None
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -76,6 +79,13 @@ class Summary:
     slo: dict[str, float]
     latency_ms: dict[str, Stats]
     errors: list[str]  # the first distinct error messages, each with its count
+    # Prompt tokens of completed requests: the server's count where it reported one, else ours.
+    total_prompt_tokens: int = 0
+    cached_requests: int = 0  # completed requests whose reply reported cached prompt tokens
+    total_cached_tokens: int | None = None  # None: no reply reported them (unknown, not 0)
+    mean_cached_tokens: float | None = None
+    cache_hit_rate: float | None = None  # cached / prompt tokens, over the reporting requests
+    not_sent: int = 0  # multi-turn: turns skipped because an earlier turn of theirs failed
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -132,9 +142,25 @@ def meets_slo(rec: RequestRecord, slo: dict[str, float]) -> bool:
     return all(v * 1000.0 <= limit for key, limit in slo.items() for v in checks[key])
 
 
+def _prompt_tokens(rec: RequestRecord) -> int:
+    return rec.server_prompt_tokens if rec.server_prompt_tokens is not None else rec.prompt_len
+
+
+def _cache_fields(ok: list[RequestRecord]) -> dict:
+    """Summary fields of the server-reported prefix-cache hits (None where nothing reported)."""
+    hits = [r for r in ok if r.cached_tokens is not None]
+    cached = sum(r.cached_tokens for r in hits)  # type: ignore[misc]
+    prompt = sum(_prompt_tokens(r) for r in hits)
+    return {"total_prompt_tokens": sum(_prompt_tokens(r) for r in ok), "cached_requests": len(hits),
+            "total_cached_tokens": cached if hits else None,
+            "mean_cached_tokens": cached / len(hits) if hits else None,
+            "cache_hit_rate": cached / prompt if hits and prompt else None}
+
+
 def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, float],
-              max_concurrency_seen: int = 0, max_errors: int = 5) -> Summary:
-    """Aggregate every record, failed ones included (they count in `failed` and `errors`)."""
+              max_concurrency_seen: int = 0, max_errors: int = 5, not_sent: int = 0) -> Summary:
+    """Aggregate every record, failed ones included (they count in `failed` and `errors`);
+    `not_sent` counts planned requests that never went out (multi-turn)."""
     ok = [r for r in records if r.success]
     in_tok = sum(r.prompt_len for r in ok)
     out_tok = sum(r.output_len for r in ok)
@@ -157,7 +183,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, fl
         output_len_mismatches=sum(r.output_len != r.output_len_requested for r in ok),
         goodput=good, slo=dict(slo),
         latency_ms={name: stats_ms(vals) for name, vals in series.items()},
-        errors=errors,
+        errors=errors, not_sent=not_sent, **_cache_fields(ok),
     )
 
 
@@ -173,9 +199,18 @@ def format_summary(s: Summary, title: str = "Serving Benchmark Result") -> str:
 
     row("Successful requests:", s.completed)
     row("Failed requests:", s.failed)
+    if s.not_sent:
+        row("Turns not sent (conversation ended):", s.not_sent)
     row("Benchmark duration (s):", s.duration_s)
     row("Total input tokens:", s.total_input_tokens)
     row("Total generated tokens:", s.total_output_tokens)
+    row("Total prompt tokens (server count):", s.total_prompt_tokens)
+    na = "n/a"
+    row("Total cached prompt tokens:", na if s.total_cached_tokens is None else s.total_cached_tokens)
+    row("Mean cached prompt tokens:", na if s.mean_cached_tokens is None else s.mean_cached_tokens)
+    row("Prefix cache hit rate:", na if s.cache_hit_rate is None else f"{100 * s.cache_hit_rate:.1f}%")
+    if 0 < s.cached_requests < s.completed:
+        row("Requests reporting cached tokens:", f"{s.cached_requests}/{s.completed}")
     row("Request throughput (req/s):", s.request_throughput)
     if s.goodput is not None:
         row("Request goodput (req/s):", s.goodput)

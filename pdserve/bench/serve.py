@@ -1,7 +1,8 @@
 """`pdserve bench serve`: an online serving benchmark (like SGLang's bench_serving / vLLM's bench serve).
 
 Sends prompts at a request rate and/or a concurrency cap, streams every reply to time TTFT,
-ITL, TPOT and end-to-end latency, and reports throughput, goodput and failures.
+ITL, TPOT and end-to-end latency, and reports throughput, goodput, failures and the prefix-cache
+hits the server reports (the shared-prefix and multi-turn datasets exercise the cache).
 Use it as a library with `await run(BenchConfig(...))` or from the CLI via `run_bench(args)`.
 """
 
@@ -9,88 +10,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import aiohttp
 from tqdm import tqdm
 
 from ..core.config import add_dataclass_args, dataclass_from_args
-from .arrivals import ArrivalKind, arrival_offsets
-from .backends import BACKENDS, BackendOptions, endpoint_url, send_request
-from .datasets import BenchRequest, TokenCounter, file_requests, random_requests
-from .metrics import RequestRecord, Summary, format_summary, parse_slo, summarize
+from .arrivals import ArrivalKind, arrival_offsets, gather_on_schedule
+from .backends import BACKENDS, BackendOptions, endpoint_url, send_and_read
+from .conversations import Conversation, make_conversations, run_conversations, turn_request
+from .datasets import (BenchRequest, TokenCounter, file_requests, random_requests,
+                       shared_prefix_requests)
+from .metrics import RequestRecord, Summary, format_summary, summarize
+from .serve_config import CACHE_DATASETS, BenchConfig
 
 
 class BenchError(RuntimeError):
     """The benchmark could not run (bad config, server unreachable, warmup failed)."""
-
-
-def _opt(help: str, choices: tuple | None = None, **kw):
-    return field(metadata={"help": help, "choices": choices}, **kw)
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """One benchmark run; the CLI flags are generated from these fields."""
-
-    url: str = _opt("server base URL", default="http://127.0.0.1:30000")
-    backend: str = _opt("server API", tuple(BACKENDS), default="pdserve")
-    model: str = _opt("model name for OpenAI APIs (default: first of /v1/models)", default="")
-    dataset: str = _opt("prompt source", ("random", "file"), default="random")
-    dataset_path: str = _opt("JSON/JSONL file for --dataset file", default="")
-    num_prompts: int = _opt("number of requests", default=1000)
-    random_input_len: int = _opt("max prompt tokens of random prompts", default=1024)
-    random_output_len: int = _opt("max output tokens of random prompts", default=128)
-    random_range_ratio: float = _opt(
-        "lengths are uniform in [len * ratio, len]; 1.0 = fixed lengths", default=1.0)
-    file_output_len: int = _opt("override output tokens of file prompts (0 = from data)", default=0)
-    tokenizer: str = _opt("local tokenizer.json or its dir for token counts (default: words)",
-                          default="")
-    seed: int = _opt("seed for prompts and arrivals", default=1)
-    request_rate: float = _opt("requests per second (inf = all at once)", default=math.inf)
-    arrival: str = _opt("arrival process at --request-rate", tuple(k.value for k in ArrivalKind),
-                        default="poisson")
-    max_concurrency: int = _opt("max requests in flight (0 = no cap)", default=0)
-    temperature: float = _opt("sampling temperature", default=0.0)
-    disable_ignore_eos: bool = _opt("let the model stop at EOS (output lengths vary)", default=False)
-    slo: str = _opt("goodput SLOs, e.g. ttft_ms=500,tpot_ms=50 (keys: ttft_ms tpot_ms itl_ms e2e_ms)",
-                    default="")
-    warmup_requests: int = _opt("requests sent (and checked) before timing starts", default=1)
-    request_timeout: float = _opt("seconds one request may take before it counts as failed",
-                                  default=600.0)
-    api_key: str = _opt("Bearer token", default="")
-    extra_body: str = _opt("JSON object merged into every request body", default="")
-    output: str = _opt("write config, summary and per-request records to this JSON file",
-                       default="")
-    disable_tqdm: bool = _opt("no progress bar", default=False)
-
-    def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"unknown backend {self.backend!r}; choose from {', '.join(BACKENDS)}")
-        if self.dataset == "file" and not self.dataset_path:
-            raise ValueError("--dataset file needs --dataset-path")
-        if self.num_prompts < 1 or self.max_concurrency < 0 or self.warmup_requests < 0:
-            raise ValueError("num_prompts must be >= 1, max_concurrency and warmup_requests >= 0")
-        if not self.request_rate > 0 or not self.request_timeout > 0:
-            raise ValueError("request_rate and request_timeout must be > 0")
-        ArrivalKind(self.arrival)
-        parse_slo(self.slo)
-        self.extra_body_dict()
-
-    def slo_targets(self) -> dict[str, float]:
-        return parse_slo(self.slo)
-
-    def extra_body_dict(self) -> dict:
-        if not self.extra_body:
-            return {}
-        body = json.loads(self.extra_body)
-        if not isinstance(body, dict):
-            raise ValueError("--extra-body must be a JSON object")
-        return body
 
 
 @dataclass
@@ -126,11 +67,30 @@ def _finite(obj):
 
 
 def load_requests(cfg: BenchConfig, counter: TokenCounter) -> list[BenchRequest]:
+    """The prompts of a single-request dataset (every one but multi-turn)."""
     if cfg.dataset == "file":
         return file_requests(cfg.dataset_path, cfg.num_prompts, cfg.seed, counter,
                              cfg.file_output_len)
+    if cfg.dataset == "shared-prefix":
+        return shared_prefix_requests(cfg.prefix_num_prefixes, cfg.prefix_suffixes_per_prefix,
+                                      cfg.prefix_len, cfg.suffix_len, cfg.random_output_len,
+                                      cfg.seed, counter)
     return random_requests(cfg.num_prompts, cfg.random_input_len, cfg.random_output_len,
                            cfg.random_range_ratio, cfg.seed, counter)
+
+
+def load_conversations(cfg: BenchConfig, counter: TokenCounter) -> list[Conversation]:
+    return make_conversations(cfg.multi_turn_conversations, cfg.multi_turn_turns,
+                              cfg.multi_turn_first_len, cfg.multi_turn_question_len,
+                              cfg.random_output_len, cfg.seed, counter)
+
+
+def warmup_request(cfg: BenchConfig, first: BenchRequest, counter: TokenCounter) -> BenchRequest:
+    """The first request; for the prefix-cache datasets a random prompt of its length instead,
+    so warming up does not put a prefix that the run reuses in the cache."""
+    if cfg.dataset not in CACHE_DATASETS:
+        return first
+    return random_requests(1, first.prompt_len, first.output_len, 1.0, cfg.seed + 1, counter)[0]
 
 
 async def _model_name(session: aiohttp.ClientSession, cfg: BenchConfig, headers: dict) -> str:
@@ -144,6 +104,13 @@ async def _model_name(session: aiohttp.ClientSession, cfg: BenchConfig, headers:
         raise BenchError(f"no --model given and {url} gave no model id: {e!r}") from None
 
 
+@dataclass
+class RunOutcome:
+    records: list[RequestRecord]
+    duration_s: float
+    not_sent: int = 0  # multi-turn turns never sent (an earlier turn failed)
+
+
 class _Runner:
     """Sends the requests on their arrival schedule under the concurrency cap."""
 
@@ -155,59 +122,73 @@ class _Runner:
         self.inflight = 0
         self.max_inflight = 0
 
-    async def send(self, index: int, req: BenchRequest) -> RequestRecord:
+    async def send(self, index: int, req: BenchRequest) -> tuple[RequestRecord, str]:
         rec = RequestRecord(index=index, prompt_len=req.prompt_len, output_len_requested=req.output_len)
-        return await send_request(self.session, self.url, self.backend, req, self.opts, rec,
-                                  self.cfg.request_timeout, self.headers, self.counter)
+        return await send_and_read(self.session, self.url, self.backend, req, self.opts, rec,
+                                   self.cfg.request_timeout, self.headers, self.counter)
+
+    async def timed(self, t0: float, index: int, req: BenchRequest,
+                    scheduled: float) -> tuple[RequestRecord, str]:
+        """One request of the timed run, counted in flight; `scheduled` is its planned start."""
+        self.inflight += 1
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        try:
+            send_time = time.perf_counter() - t0
+            rec, text = await self.send(index, req)
+            rec.scheduled_time, rec.send_time = scheduled, send_time
+            return rec, text
+        finally:
+            self.inflight -= 1
 
     async def warmup(self, req: BenchRequest) -> None:
         for i in range(self.cfg.warmup_requests):
-            rec = await self.send(-1 - i, req)
+            rec, _ = await self.send(-1 - i, req)
             if not rec.success:
                 raise BenchError(f"warmup request to {self.url} failed: {rec.error}")
 
-    async def run_all(self, requests: list[BenchRequest]) -> tuple[list[RequestRecord], float]:
+    def _offsets(self, n: int) -> list[float]:
+        return arrival_offsets(n, self.cfg.request_rate, ArrivalKind(self.cfg.arrival), self.cfg.seed)
+
+    async def run_all(self, requests: list[BenchRequest]) -> RunOutcome:
         cfg = self.cfg
-        offsets = arrival_offsets(len(requests), cfg.request_rate, ArrivalKind(cfg.arrival), cfg.seed)
+        offsets = self._offsets(len(requests))
         sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
         bar = tqdm(total=len(requests), disable=cfg.disable_tqdm, desc="bench")
         t0 = time.perf_counter()
 
-        async def one(i: int, req: BenchRequest) -> RequestRecord:
-            if sem is not None:
-                await sem.acquire()
-            self.inflight += 1
-            self.max_inflight = max(self.max_inflight, self.inflight)
+        async def one(i: int) -> RequestRecord:
             try:
-                send_time = time.perf_counter() - t0
-                rec = await self.send(i, req)
-                rec.scheduled_time, rec.send_time = offsets[i], send_time
-                return rec
+                async with sem if sem is not None else contextlib.nullcontext():
+                    return (await self.timed(t0, i, requests[i], offsets[i]))[0]
             finally:
-                self.inflight -= 1
-                if sem is not None:
-                    sem.release()
                 bar.update(1)
 
-        tasks = []
         try:
-            for i, req in enumerate(requests):
-                delay = t0 + offsets[i] - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(one(i, req)))
-            records = list(await asyncio.gather(*tasks))
+            records = await gather_on_schedule(offsets, t0, one)
         finally:
-            for t in tasks:
-                t.cancel()
             bar.close()
-        return records, time.perf_counter() - t0
+        return RunOutcome(records, time.perf_counter() - t0)
+
+    async def run_chats(self, convs: list[Conversation]) -> RunOutcome:
+        """Multi-turn: the arrival schedule starts conversations; each turn waits for the last."""
+        bar = tqdm(total=sum(len(c.questions) for c in convs), disable=self.cfg.disable_tqdm,
+                   desc="bench")
+        t0 = time.perf_counter()
+        try:
+            done = await run_conversations(
+                convs, self._offsets(len(convs)), t0, lambda i, req, at: self.timed(t0, i, req, at),
+                self.counter, self.cfg.max_concurrency, bar.update)
+        finally:
+            bar.close()
+        return RunOutcome(done.records, time.perf_counter() - t0, done.not_sent)
 
 
 async def run(cfg: BenchConfig) -> BenchResult:
     """Run one benchmark against a live server and return its result (also saved if cfg.output)."""
     counter = TokenCounter(cfg.tokenizer or None)
-    requests = load_requests(cfg, counter)
+    convs = load_conversations(cfg, counter) if cfg.dataset == "multi-turn" else []
+    requests = [] if convs else load_requests(cfg, counter)
+    first = turn_request(convs[0], [], counter) if convs else requests[0]
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.request_timeout)
@@ -218,10 +199,11 @@ async def run(cfg: BenchConfig) -> BenchResult:
         opts = BackendOptions(model=model, temperature=cfg.temperature,
                               ignore_eos=not cfg.disable_ignore_eos, extra_body=cfg.extra_body_dict())
         runner = _Runner(cfg, session, opts, headers, counter)
-        await runner.warmup(requests[0])
-        records, duration = await runner.run_all(requests)
-    summary = summarize(records, duration, cfg.slo_targets(), runner.max_inflight)
-    result = BenchResult(cfg, summary, records, model)
+        await runner.warmup(warmup_request(cfg, first, counter))
+        outcome = await (runner.run_chats(convs) if convs else runner.run_all(requests))
+    summary = summarize(outcome.records, outcome.duration_s, cfg.slo_targets(), runner.max_inflight,
+                        not_sent=outcome.not_sent)
+    result = BenchResult(cfg, summary, outcome.records, model)
     if cfg.output:
         result.save(cfg.output)
     return result
