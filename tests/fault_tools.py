@@ -32,6 +32,14 @@ def shared_tiny_model(tmp_path_factory) -> str:
     return str(path)
 
 
+def flush_cache(server) -> None:
+    """Empty a live server's prefix cache (a server a test killed has none to empty)."""
+    try:
+        httpx.post(server.url + "/flush_cache", timeout=30).raise_for_status()
+    except httpx.TransportError:
+        pass
+
+
 def wait_for(cond, timeout: float, what: str, detail=lambda: "") -> None:
     deadline = time.monotonic() + timeout
     while not cond():

@@ -45,6 +45,7 @@ class StubStats:
     answers: list[str] = field(default_factory=list)  # full text streamed ("" until it starts)
     ends: list[float] = field(default_factory=list)  # time.monotonic() a reply finished (0: never)
     cached: list[int] = field(default_factory=list)  # cached_tokens the toy cache found
+    flushes: int = 0  # POST /reset_prefix_cache calls
     inflight: int = 0
     max_inflight: int = 0
     errors_injected: int = 0
@@ -185,6 +186,12 @@ class Stub:
         self.seen = []
         return web.json_response(asdict(self.cfg))
 
+    async def reset_prefix_cache(self, _: web.Request) -> web.Response:
+        """vLLM's route (the stub has no /flush_cache, so a client must fall back to this)."""
+        self.seen = []
+        self.stats.flushes += 1
+        return web.Response(text="")
+
     async def get_stats(self, _: web.Request) -> web.Response:
         return web.json_response(asdict(self.stats))
 
@@ -236,6 +243,7 @@ def build_app(stub: Stub) -> web.Application:
         app.router.add_post(path, stub.handle)
     app.router.add_get("/v1/models", stub.models)
     app.router.add_get("/health", stub.health)
+    app.router.add_post("/reset_prefix_cache", stub.reset_prefix_cache)
     app.router.add_post("/_stub/config", stub.set_config)
     app.router.add_get("/_stub/stats", stub.get_stats)
     return app

@@ -553,6 +553,18 @@ def test_shared_prefix_run_reports_cache_hits(stub_url, backend, tmp_path):
     assert [r["cached_tokens"] for r in saved["requests"]] == reported
 
 
+def test_flush_cache_empties_the_servers_cache_after_warmup(stub_url):
+    """--flush-cache: the warmup's prompt is forgotten before timing (vLLM's route as fallback)."""
+    configure(stub_url, report_cached=True)
+    cfg = bench(stub_url, dataset="shared-prefix", prefix_num_prefixes=1, prefix_suffixes_per_prefix=2,
+                prefix_len=10, suffix_len=3, random_output_len=2, max_concurrency=1, warmup_requests=1,
+                flush_cache=True)
+    res = asyncio.run(run(cfg))
+    st = stub_stats(stub_url)
+    assert st["flushes"] == 1  # /flush_cache is a 404 on the stub: it fell back to vLLM's route
+    assert res.records[0].cached_tokens == 0 and res.records[1].cached_tokens >= 10
+
+
 def test_missing_cached_tokens_are_unknown_not_zero(stub_url):
     configure(stub_url)  # usage reported, cached tokens not
     res = asyncio.run(run(bench(stub_url, backend="openai-chat", num_prompts=3)))

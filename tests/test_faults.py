@@ -20,7 +20,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cluster import pd_body  # noqa: E402
-from fault_tools import (KnobServer, Legs, assert_failed, decoding, error_of, kv_req_sent,  # noqa: E402
+from fault_tools import (KnobServer, Legs, assert_failed, flush_cache, decoding, error_of, kv_req_sent,  # noqa: E402
                          prefilling, room_on, shared_tiny_model, status, transferring, wait_for)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -69,7 +69,10 @@ def cluster(model, logs):
 
 @pytest.fixture
 def knobs(cluster):
-    """Every test leaves the servers fast again, whatever happened."""
+    """Every test starts with empty prefix caches (its LONG prompt must be prefilled in all its
+    chunks, not reused from the test before) and leaves the servers fast again."""
+    for name in ("P", "D", "S0", "S1", "S2"):
+        flush_cache(getattr(cluster, name))
     yield
     for name in ("P", "D", "S0", "S1", "S2"):
         getattr(cluster, name).slow()

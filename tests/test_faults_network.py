@@ -21,7 +21,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cluster import pd_body  # noqa: E402
 from fault_stubs import BootstrapStub, StallingPeer  # noqa: E402
-from fault_tools import (KnobServer, Legs, Router, assert_failed, decoding, error_of, prefilling,  # noqa: E402
+from fault_tools import (KnobServer, Legs, Router, assert_failed, flush_cache, decoding, error_of, prefilling,  # noqa: E402
                          room_on, shared_tiny_model, transferring, wait_for)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -61,7 +61,10 @@ def cluster(tmp_path_factory, logs):
 
 @pytest.fixture
 def knobs(cluster):
-    """Every test leaves the servers fast again, whatever happened."""
+    """Every test starts with empty prefix caches (its LONG prompt prefills in all its chunks)
+    and leaves the servers fast again, whatever happened."""
+    flush_cache(cluster.Pr)
+    flush_cache(cluster.Dr)
     yield
     cluster.Pr.slow()
     cluster.Dr.slow()

@@ -183,6 +183,21 @@ class _Runner:
         return RunOutcome(done.records, time.perf_counter() - t0, done.not_sent)
 
 
+async def _flush_cache(session: aiohttp.ClientSession, cfg: BenchConfig, headers: dict) -> None:
+    """Empty the server's prefix cache: SGLang's and our route, then vLLM's."""
+    problems = []
+    for path in ("/flush_cache", "/reset_prefix_cache"):
+        try:
+            async with session.post(cfg.url.rstrip("/") + path, headers=headers,
+                                    timeout=aiohttp.ClientTimeout(total=60)) as r:
+                if r.status < 400:
+                    return
+                problems.append(f"{path}: {r.status}")
+        except aiohttp.ClientError as e:
+            problems.append(f"{path}: {e}")
+    raise BenchError(f"could not flush the prefix cache of {cfg.url}: {'; '.join(problems)}")
+
+
 async def run(cfg: BenchConfig) -> BenchResult:
     """Run one benchmark against a live server and return its result (also saved if cfg.output)."""
     counter = TokenCounter(cfg.tokenizer or None)
@@ -200,6 +215,8 @@ async def run(cfg: BenchConfig) -> BenchResult:
                               ignore_eos=not cfg.disable_ignore_eos, extra_body=cfg.extra_body_dict())
         runner = _Runner(cfg, session, opts, headers, counter)
         await runner.warmup(warmup_request(cfg, first, counter))
+        if cfg.flush_cache:
+            await _flush_cache(session, cfg, headers)
         outcome = await (runner.run_chats(convs) if convs else runner.run_all(requests))
     summary = summarize(outcome.records, outcome.duration_s, cfg.slo_targets(), runner.max_inflight,
                         not_sent=outcome.not_sent)

@@ -68,6 +68,9 @@ class BenchConfig:
                     default="")
     warmup_requests: int = _opt("requests sent (and checked) before timing starts; for the "
                                 "prefix-cache datasets a random prompt, not one of theirs", default=1)
+    flush_cache: bool = _opt("empty the server's prefix cache after the warmup, before timing "
+                             "(POST /flush_cache as SGLang and pdserve; /reset_prefix_cache on vLLM)",
+                             default=False)
     request_timeout: float = _opt("seconds one request may take before it counts as failed",
                                   default=600.0)
     api_key: str = _opt("Bearer token", default="")
