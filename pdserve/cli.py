@@ -12,7 +12,11 @@ def _serve(argv: list[str]) -> None:
 
     p = argparse.ArgumentParser(prog="pdserve serve", description="run a colocated, prefill or decode server")
     add_dataclass_args(p, ServerConfig)
-    cfg = dataclass_from_args(ServerConfig, p.parse_args(argv))
+    args = p.parse_args(argv)
+    try:
+        cfg = dataclass_from_args(ServerConfig, args)
+    except ValueError as e:
+        p.error(str(e))
     from .core.envs import Envs
     from .model_files.resolve import ModelNotFound, resolve_model
 

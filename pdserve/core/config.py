@@ -44,7 +44,11 @@ class ServerConfig:
     mem_fraction: float = _opt("fraction of free memory for the KV pool when max_total_tokens is 0",
                                default=0.05)
     max_running_requests: int = _opt("max requests decoding at once per worker", default=64)
-    chunked_prefill_size: int = _opt("max prompt tokens prefilled per step", default=512)
+    chunked_prefill_size: int = _opt("max prompt tokens prefilled per step (every step also decodes "
+                                     "each running request)", default=512)
+    max_num_batched_tokens: int = _opt(
+        "max tokens per step, decodes and prompt chunks together (vLLM's flag); prefill chunks get "
+        "what the decodes leave, up to --chunked-prefill-size (0 = no cap beyond that)", default=0)
     disable_prefix_cache: bool = _opt(
         "do not reuse KV pages of earlier requests' prompts (the prefix cache is on by default)",
         default=False, aliases=("--disable-radix-cache",))
@@ -70,6 +74,14 @@ class ServerConfig:
     instance_id: str = _opt("server instance id in logs and metrics (default: random per start)", default="")
     served_model_name: str = _opt("model name reported by /v1/models (default: model dir name)",
                                   default="")
+
+    def __post_init__(self) -> None:
+        if self.chunked_prefill_size < 1:
+            raise ValueError(f"--chunked-prefill-size must be >= 1, got {self.chunked_prefill_size}")
+        if self.max_num_batched_tokens and self.max_num_batched_tokens <= self.max_running_requests:
+            raise ValueError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be larger than "
+                             f"--max-running-requests ({self.max_running_requests}): a step full of decodes "
+                             "would leave prompts no tokens")
 
 
 def _flag(name: str) -> str:

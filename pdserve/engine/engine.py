@@ -23,7 +23,7 @@ from .cpu_kernels import PagedAttentionKernel
 from .kv_pool import KVPool
 from .prefix_cache import CacheCounters, PrefixCache
 from .sampler import make_generator, sample
-from .scheduler import Batch, Scheduler, StepKind
+from .scheduler import Batch, Scheduler
 from .sequence import EngineRequest, Sequence, SeqStatus, StepOutput
 
 
@@ -32,7 +32,8 @@ class EngineConfig:
     num_pages: int
     page_size: int = 16
     max_running: int = 64
-    prefill_budget: int = 512
+    prefill_budget: int = 512  # prompt tokens per step (--chunked-prefill-size)
+    max_batched_tokens: int = 0  # decode + prompt tokens per step (--max-num-batched-tokens; 0: no cap)
     max_context: int = 8192
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int = 0
@@ -64,7 +65,8 @@ class Engine:
         self.device = torch.device(device)
         self.allocator = PageAllocator(cfg.num_pages)
         self.cache = PrefixCache(self.allocator, cfg.page_size, cfg.prefix_cache)
-        self.scheduler = Scheduler(self.cache, cfg.page_size, cfg.max_running, cfg.prefill_budget)
+        self.scheduler = Scheduler(self.cache, cfg.page_size, cfg.max_running, cfg.prefill_budget,
+                                   cfg.max_batched_tokens)
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, list[int]] = {}  # finished hold_kv requests and reservations
 
@@ -174,34 +176,32 @@ class Engine:
                                self.cfg.page_size, self.device, self.attention_kernel)
         hidden = self.model(torch.tensor(ids, device=self.device),
                             torch.tensor(positions, device=self.device), attn, self.pool)
-        if batch.kind is StepKind.PREFILL:
-            return self._finish_prefill(batch, hidden)
-        for seq in batch.seqs:
-            seq.num_computed += 1
-            self.scheduler.offer_full_pages(seq)
-        return self._sample_and_emit(batch.seqs, self.model.raw_logits(hidden))
+        return self._account(batch, hidden)
 
-    def _finish_prefill(self, batch: Batch, hidden: torch.Tensor) -> list[StepOutput]:
-        done, rows, t = [], [], 0
-        for seq, n in zip(batch.seqs, batch.new_lens):
-            if seq.input_logprobs is not None and seq.num_computed < len(seq.req.prompt_ids):
-                self._input_logprobs(seq, hidden[t:t + n])
-            if self.scheduler.after_prefill(seq, n):
-                done.append(seq)
-                rows.append(t + n - 1)
-            t += n
-        if not done:
-            return []
+    def _account(self, batch: Batch, hidden: torch.Tensor) -> list[StepOutput]:
+        """Count each sequence's computed tokens and sample the ones that need a token: every
+        decode, and each prefill that reached the end of its prompt."""
         outs: list[StepOutput] = []
-        sampling = []
-        for seq in done:
-            if seq.req.sampling.max_new_tokens == 0:
-                outs.append(self._finish(seq, None, None, {"type": "length", "length": 0}))
+        sampled, rows, t = [], [], 0
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.new_lens)):
+            if i < batch.num_decode:
+                seq.num_computed += 1
+                self.scheduler.offer_full_pages(seq)
+                sampled.append(seq)
+                rows.append(t)
             else:
-                sampling.append((seq, rows[done.index(seq)]))
-        if sampling:
-            logits = self.model.raw_logits(hidden[torch.tensor([r for _, r in sampling])])
-            outs.extend(self._sample_and_emit([s for s, _ in sampling], logits))
+                if seq.input_logprobs is not None and seq.num_computed < len(seq.req.prompt_ids):
+                    self._input_logprobs(seq, hidden[t:t + n])
+                if self.scheduler.after_prefill(seq, n):
+                    if seq.req.sampling.max_new_tokens == 0:
+                        outs.append(self._finish(seq, None, None, {"type": "length", "length": 0}))
+                    else:
+                        sampled.append(seq)
+                        rows.append(t + n - 1)
+            t += n
+        if sampled:
+            h = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=hidden.device)]
+            outs.extend(self._sample_and_emit(sampled, self.model.raw_logits(h)))
         return outs
 
     def _input_logprobs(self, seq: Sequence, h: torch.Tensor) -> None:

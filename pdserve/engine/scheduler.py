@@ -1,11 +1,15 @@
 """Continuous batching: decides which sequences run in the next step and gives them pages.
 
-A step is either a prefill step (waiting sequences, chunked to a token budget) or a decode
-step (every running sequence adds one token). Prefill goes first so new prompts join soon;
-when a decode step runs out of pages the newest running sequence is preempted (pages freed,
-recomputed later from its tokens). A prompt part-way through its prefill holds pages too; when
-the head of the queue cannot grow, the partial prefills queued behind it give theirs back, so
-the queue never stalls (every request fits the pool alone, see Engine.validate).
+Every step is one forward pass over a mixed batch, as vLLM does: first every running sequence's
+next token (decode), then prefill chunks of waiting prompts in arrival order, up to
+min(prefill_budget, max_batched_tokens - decodes) prompt tokens (SGLang's
+--chunked-prefill-size, vLLM's --max-num-batched-tokens). So a long new prompt neither stalls
+running decodes (they advance every step, by one step's time) nor, being chunked, holds up the
+prompts behind it for more than its turn in the queue. When a decode runs out of pages the
+newest running sequence is preempted (pages freed, recomputed later from its tokens). A prompt
+part-way through its prefill holds pages too; when the head of the queue cannot grow, the
+partial prefills queued behind it give theirs back, so the queue never stalls (every request
+fits the pool alone, see Engine.validate).
 
 Pages come from the prefix cache (prefix_cache.py): a sequence scheduled for the first time
 (or again after losing its pages) starts from its longest cached prefix of full pages, at
@@ -26,22 +30,35 @@ from .sequence import Sequence, SeqStatus
 class StepKind(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
+    MIXED = "mixed"
 
 
 @dataclass
 class Batch:
-    kind: StepKind
+    """seqs[:num_decode] decode one token each; the rest prefill new_lens[i] prompt tokens."""
+
     seqs: list[Sequence]
     new_lens: list[int]
+    num_decode: int
+
+    @property
+    def kind(self) -> StepKind:
+        if self.num_decode == len(self.seqs):
+            return StepKind.DECODE
+        return StepKind.PREFILL if self.num_decode == 0 else StepKind.MIXED
 
 
 class Scheduler:
     def __init__(self, cache: PrefixCache, page_size: int, max_running: int,
-                 prefill_budget: int):
+                 prefill_budget: int, max_batched_tokens: int = 0):
+        if max_batched_tokens and max_batched_tokens <= max_running:
+            raise ValueError(f"max_batched_tokens ({max_batched_tokens}) must exceed max_running "
+                             f"({max_running}): a step full of decodes would leave prefills none")
         self.cache = cache
         self.page_size = page_size
         self.max_running = max_running
         self.prefill_budget = prefill_budget
+        self.max_batched_tokens = max_batched_tokens  # 0: no cap beyond prefill_budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -59,10 +76,17 @@ class Scheduler:
         return True
 
     def schedule(self) -> Batch | None:
-        return self._schedule_prefill() or self._schedule_decode()
+        decodes = self._schedule_decode()
+        budget = self.prefill_budget
+        if self.max_batched_tokens:
+            budget = min(budget, self.max_batched_tokens - len(decodes))
+        seqs, lens = self._schedule_prefill(budget)
+        if not decodes and not seqs:
+            return None
+        return Batch(decodes + seqs, [1] * len(decodes) + lens, len(decodes))
 
-    def _schedule_prefill(self) -> Batch | None:
-        seqs, lens, budget = [], [], self.prefill_budget
+    def _schedule_prefill(self, budget: int) -> tuple[list[Sequence], list[int]]:
+        seqs, lens = [], []
         active = len(self.running)
         for seq in self.waiting:
             if budget <= 0 or active + len(seqs) >= self.max_running:
@@ -78,7 +102,7 @@ class Scheduler:
             seqs.append(seq)
             lens.append(chunk)
             budget -= chunk
-        return Batch(StepKind.PREFILL, seqs, lens) if seqs else None
+        return seqs, lens
 
     def _attach_prefix(self, seq: Sequence) -> None:
         """Start a page-less sequence from its longest cached prefix (none when it wants
@@ -127,15 +151,15 @@ class Scheduler:
                 self._drop_pages(seq)
         return self.cache.available >= need
 
-    def _schedule_decode(self) -> Batch | None:
+    def _schedule_decode(self) -> list[Sequence]:
+        """Every running sequence, each with a page for its next token (preempting the newest
+        while pages are short)."""
         while self.running:
             short = [s for s in self.running if not self._grow(s, s.num_tokens)]
             if not short:
                 break
             self.preempt(self.running[-1])
-        if not self.running:
-            return None
-        return Batch(StepKind.DECODE, list(self.running), [1] * len(self.running))
+        return list(self.running)
 
     def after_prefill(self, seq: Sequence, chunk: int) -> bool:
         """Account a prefilled chunk; True when the whole sequence is now in the pool."""

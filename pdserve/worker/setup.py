@@ -97,6 +97,7 @@ def build_engine(cfg: ServerConfig, model_dir: str, cache_dir: str = ""):
         page_size=cfg.page_size,
         max_running=cfg.max_running_requests,
         prefill_budget=cfg.chunked_prefill_size,
+        max_batched_tokens=cfg.max_num_batched_tokens,
         max_context=max_context,
         eos_token_ids=tuple(mcfg.eos_token_ids),
         vocab_size=mcfg.vocab_size,
