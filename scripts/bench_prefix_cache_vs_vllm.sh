@@ -55,8 +55,8 @@ workloads() {
   ours "$1" random --num-prompts 24 --random-input-len 1024 --random-output-len "$OUTPUT_LEN"
 }
 
-echo "== vLLM-CPU (prefix caching on)"
-setsid "$VLLM" serve "$MODEL_DIR" "$PORT" --enable-prefix-caching > "$OUT/vllm-server.log" 2>&1 & pid=$!
+echo "== vLLM-CPU (prefix caching on; dev mode for its /reset_prefix_cache)"
+VLLM_SERVER_DEV_MODE=1 setsid "$VLLM" serve "$MODEL_DIR" "$PORT" --enable-prefix-caching > "$OUT/vllm-server.log" 2>&1 & pid=$!
 wait_up "$OUT/vllm-server.log"; workloads vllm; stop
 
 for mode in on off; do
