@@ -20,6 +20,8 @@ import time
 import urllib.error
 import urllib.request
 
+from .core.cpu_binding import split_among_servers
+
 STOP_GRACE_S = 20.0  # SIGTERM, then SIGKILL to the whole group
 
 
@@ -136,11 +138,12 @@ class Cluster:
                   "--max-total-tokens", str(a.max_total_tokens), "--dtype", a.dtype]
         if a.disable_prefix_cache:
             common.append("--disable-prefix-cache")
+        p_cpus, d_cpus = split_among_servers([a.prefill_dp, a.decode_dp])  # no two oversubscribe a core
         self._spawn("prefill", ["serve", "--role", "prefill", "--port", str(a.prefill_port),
                                 "--dp-size", str(a.prefill_dp), "--bootstrap-port", str(a.bootstrap_port),
-                                *common])
+                                "--cpu-bind", p_cpus, *common])
         self._spawn("decode", ["serve", "--role", "decode", "--port", str(a.decode_port),
-                               "--dp-size", str(a.decode_dp), *common])
+                               "--dp-size", str(a.decode_dp), "--cpu-bind", d_cpus, *common])
         self._wait(f"http://{a.host}:{a.prefill_port}/health", "prefill")
         self._wait(f"http://{a.host}:{a.decode_port}/health", "decode")
         self._spawn("router", ["router", "--pd-disaggregation", "--host", a.host, "--port", str(a.port),

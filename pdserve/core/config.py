@@ -56,7 +56,11 @@ class ServerConfig:
     cpu_kernels: str = _opt("bfloat16 on CPU: auto (our AVX-512 BF16 C kernels for attention, "
                             "norms and RoPE, built with gcc at first use, where the CPU has it) or "
                             "torch (plain torch ops)", ("auto", "torch"), default="auto")
-    num_threads: int = _opt("torch threads per worker (0 = cores / dp_size)", default=0)
+    num_threads: int = _opt("torch threads per worker (0 = its --cpu-bind cores, or cores / dp_size)",
+                            default=0)
+    cpu_bind: str = _opt("cores of each DP worker, as vLLM's VLLM_CPU_OMP_THREADS_BIND: auto (split this "
+                         "process's cores among the ranks, one pinned thread per core), none, or lists "
+                         "per rank like 0-3|4-7", default="auto")
     api_key: str = _opt("require this Bearer token (health stays open)", default="")
     bootstrap_token: str = _opt("prefill: cluster token the bootstrap service requires on PUT /route and "
                                 "/register_dp_rank (also PDSERVE_BOOTSTRAP_TOKEN, which keeps it off the "
@@ -76,6 +80,10 @@ class ServerConfig:
                                   default="")
 
     def __post_init__(self) -> None:
+        from .cpu_binding import rank_cpus
+
+        for rank in range(max(1, self.dp_size)):  # a bad --cpu-bind fails at start-up, naming it
+            rank_cpus(self.cpu_bind, rank, max(1, self.dp_size))
         if self.chunked_prefill_size < 1:
             raise ValueError(f"--chunked-prefill-size must be >= 1, got {self.chunked_prefill_size}")
         if self.max_num_batched_tokens and self.max_num_batched_tokens <= self.max_running_requests:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import sys
+from typing import Mapping
 
 from ..core.config import ServerConfig, config_to_json
+from ..core.cpu_binding import omp_env, rank_cpus, shares_cores, threads_for
 
 DEFAULT_WORKER_MODULE = "pdserve.worker"
 
@@ -14,3 +16,10 @@ def worker_command(worker_module: str, dp_rank: int, cfg: ServerConfig, model_di
     return [sys.executable, "-m", worker_module, "--dp-rank", str(dp_rank),
             "--config-json", config_to_json(cfg), "--model-dir", model_dir,
             "--in-addr", in_addr, "--out-addr", out_addr]
+
+
+def worker_env(cfg: ServerConfig, dp_rank: int, current: Mapping[str, str]) -> dict[str, str]:
+    """The OpenMP placement of one worker (core/cpu_binding.py), read when torch starts in it."""
+    cpus = rank_cpus(cfg.cpu_bind, dp_rank, cfg.dp_size)
+    threads = threads_for(cfg.num_threads, cpus, cfg.dp_size)
+    return omp_env(cpus, threads, shares_cores(cfg.cpu_bind, cfg.dp_size), current)

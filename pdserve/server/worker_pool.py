@@ -30,7 +30,7 @@ from ..core.config import ServerConfig
 from ..core.errors import BadRequest, Timeout, Unavailable
 from ..core.messages import (AbortReq, ErrorInfo, GenerateReq, OutputBatch, ShutdownReq, StatsReq,
                              TokenOutput, WorkerFailed, WorkerReady, WorkerStats)
-from .worker_cmd import DEFAULT_WORKER_MODULE, worker_command
+from .worker_cmd import DEFAULT_WORKER_MODULE, worker_command, worker_env
 
 log = logging.getLogger(__name__)
 ABORT_GRACE_S = 60.0  # how long an aborted rid stays reserved waiting for the worker's last output
@@ -105,7 +105,7 @@ class WorkerPool:
         # Secrets reach the workers through their environment, not their command lines (ps shows those).
         wcfg = dataclasses.replace(self.cfg, api_key="", bootstrap_token="")
         token = self.cfg.bootstrap_token
-        wenv = {**os.environ, "PDSERVE_BOOTSTRAP_TOKEN": token} if token else None
+        secrets = {"PDSERVE_BOOTSTRAP_TOKEN": token} if token else {}
         for r in range(self.dp_size):
             push = sync_ctx.socket(zmq.PUSH)
             push.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a send
@@ -114,9 +114,11 @@ class WorkerPool:
             push.bind(in_addr)
             self._pushes.append(push)
             cmd = worker_command(self.worker_module, r, wcfg, self.model_dir, in_addr, out_addr)
+            placement = worker_env(self.cfg, r, os.environ)
+            wenv = {**os.environ, **placement, **secrets}
             self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=wenv))
-            log.info("started dp worker rank %d (pid %d, module %s)", r, self.procs[-1].pid,
-                     self.worker_module)
+            log.info("started dp worker rank %d (pid %d, module %s, cpus %s)", r, self.procs[-1].pid,
+                     self.worker_module, placement.get("GOMP_CPU_AFFINITY", "unbound"))
         self._tasks.append(asyncio.create_task(self._read_loop(), name="worker-reader"))
 
     async def _wait_ready(self, should_abort: Callable[[], bool] | None) -> None:

@@ -8,6 +8,7 @@ import signal
 import traceback
 
 from ..core.config import config_from_json
+from ..core.cpu_binding import rank_cpus, set_process_cpus
 from ..core.envs import Envs
 from ..core.log_format import LogContext, configure_logging
 from ..core.messages import WorkerFailed, WorkerReady
@@ -29,6 +30,7 @@ def main(argv=None) -> None:
     cfg = config_from_json(args.config_json)
     configure_logging(cfg.log_level, cfg.log_format, LogContext(cfg.role.value, cfg.instance_id, args.dp_rank))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when we stop
+    set_process_cpus(rank_cpus(cfg.cpu_bind, args.dp_rank, cfg.dp_size))  # before any thread starts
     channel = WorkerChannel(args.in_addr, args.out_addr)
     try:
         from .setup import build_engine
@@ -36,7 +38,7 @@ def main(argv=None) -> None:
         from .roles import ROLES
 
         envs = Envs.read()
-        engine, mcfg, dtype = build_engine(cfg, args.model_dir, envs.cache_dir)
+        engine, mcfg, dtype = build_engine(cfg, args.model_dir, envs.cache_dir, args.dp_rank)
         role = ROLES[cfg.role](RoleContext(engine, args.dp_rank, cfg, envs, mcfg, channel.wake))
         info = role.start()
     except Exception as e:  # report start-up failure to the front in one line, then exit

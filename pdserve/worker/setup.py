@@ -7,6 +7,7 @@ import os
 import torch
 
 from ..core.config import ServerConfig
+from ..core.cpu_binding import rank_cpus, threads_for
 from ..engine.cpu_fused import load_fused_ops
 from ..engine.cpu_kernels import PagedAttentionKernel, load_paged_attention
 from ..engine.engine import Engine, EngineConfig
@@ -24,10 +25,8 @@ def pick_dtype(name: str, device: str) -> torch.dtype:
     return torch.float32
 
 
-def pick_threads(cfg: ServerConfig) -> int:
-    if cfg.num_threads > 0:
-        return cfg.num_threads
-    return max(1, (os.cpu_count() or 1) // max(1, cfg.dp_size))
+def pick_threads(cfg: ServerConfig, dp_rank: int = 0) -> int:
+    return threads_for(cfg.num_threads, rank_cpus(cfg.cpu_bind, dp_rank, cfg.dp_size), cfg.dp_size)
 
 
 def available_memory_bytes() -> int:
@@ -74,9 +73,9 @@ def fused_ops(cfg: ServerConfig, dtype: torch.dtype, cache_dir: str):
     return None if where is None else load_fused_ops(where)
 
 
-def build_engine(cfg: ServerConfig, model_dir: str, cache_dir: str = ""):
+def build_engine(cfg: ServerConfig, model_dir: str, cache_dir: str = "", dp_rank: int = 0):
     """-> (engine, model_config, dtype); cache_dir: where built kernels are kept (as for models)."""
-    torch.set_num_threads(pick_threads(cfg))
+    torch.set_num_threads(pick_threads(cfg, dp_rank))
     device = cfg.device
     dtype = pick_dtype(cfg.dtype, device)
     from ..model_files.hf_config import ModelConfig

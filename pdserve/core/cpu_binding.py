@@ -1,0 +1,122 @@
+"""Which CPU cores each DP worker's threads run on (`--cpu-bind`), as vLLM's
+VLLM_CPU_OMP_THREADS_BIND: `auto` splits the cores this process may use among the ranks,
+`none` leaves placement to the kernel, and an explicit list gives each rank its cores
+(`0-3|4-7`, ranks separated by `|`). A bound worker runs one OpenMP thread per core, pinned
+(GOMP_CPU_AFFINITY): a busy process beside it then slows it by the core it takes, not by
+every barrier its threads meet. Where ranks of one server share a core, their threads wait
+passively (OMP_WAIT_POLICY=PASSIVE) so no worker spins on a core another one needs; a user's
+own OMP_WAIT_POLICY is kept."""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+
+class CpuBindError(ValueError):
+    """A --cpu-bind value that names no cores, too few ranks, or cores this process lacks."""
+
+
+def parse_cpus(text: str) -> list[int]:
+    """`0-3,6` -> [0, 1, 2, 3, 6]."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        try:
+            a, b = int(lo), int(hi or lo)
+        except ValueError:
+            raise CpuBindError(f"bad CPU list {text!r}: expected e.g. 0-3,6") from None
+        if a < 0 or b < a:
+            raise CpuBindError(f"bad CPU range {part!r} in {text!r}")
+        cpus.extend(range(a, b + 1))
+    if not cpus:
+        raise CpuBindError(f"CPU list {text!r} names no CPU")
+    return cpus
+
+
+def available_cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def rank_cpus(spec: str, dp_rank: int, dp_size: int, cpus: list[int] | None = None) -> list[int] | None:
+    """The cores of one rank, or None (no binding). `auto`: the available cores split into
+    dp_size equal runs (fewer cores than ranks: rank r gets core r mod cores)."""
+    cpus = available_cpus() if cpus is None else cpus
+    if spec == "none":
+        return None
+    if spec == "auto":
+        per = len(cpus) // dp_size
+        if per == 0:
+            return [cpus[dp_rank % len(cpus)]]
+        return cpus[dp_rank * per:(dp_rank + 1) * per]
+    parts = spec.split("|")
+    if len(parts) != dp_size:
+        raise CpuBindError(f"--cpu-bind {spec!r} gives {len(parts)} rank(s) for dp_size {dp_size} "
+                           "(one CPU list per rank, separated by |)")
+    mine = parse_cpus(parts[dp_rank])
+    missing = sorted(set(mine) - set(cpus))
+    if missing:
+        raise CpuBindError(f"--cpu-bind names CPUs {missing} this process may not use (it has {cpus})")
+    return mine
+
+
+def shares_cores(spec: str, dp_size: int, cpus: list[int] | None = None) -> bool:
+    """True when two ranks of this server would run on one core."""
+    lists = [rank_cpus(spec, r, dp_size, cpus) for r in range(dp_size)]
+    if any(x is None for x in lists):
+        return False
+    flat = [c for x in lists for c in x]  # type: ignore[union-attr]
+    return len(flat) != len(set(flat))
+
+
+def threads_for(num_threads: int, cpus: list[int] | None, dp_size: int) -> int:
+    """Torch threads of one worker: --num-threads, else its bound cores, else cores / dp_size."""
+    if num_threads > 0:
+        return num_threads
+    if cpus:
+        return len(cpus)
+    return max(1, len(available_cpus()) // max(1, dp_size))
+
+
+def omp_env(cpus: list[int] | None, threads: int, passive: bool, current: Mapping[str, str]) -> dict[str, str]:
+    """Environment for a worker whose `threads` OpenMP threads run on `cpus` (None: unbound);
+    `current`: the environment it inherits (a user's own OpenMP settings win)."""
+    env = {}
+    if passive and "OMP_WAIT_POLICY" not in current:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    if cpus and threads >= len(cpus) and "GOMP_CPU_AFFINITY" not in current:
+        # thread i on cpus[i % len]. With fewer threads than cores the worker is confined to its
+        # cores (set_process_cpus) and the kernel places the threads among them.
+        order = [cpus[i % len(cpus)] for i in range(threads)]
+        env.update(GOMP_CPU_AFFINITY=" ".join(map(str, order)), OMP_PROC_BIND="true")
+    return env
+
+
+def set_process_cpus(cpus: list[int] | None) -> None:
+    """Confine this process (and the threads it starts later) to `cpus`; call before torch."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
+def split_among_servers(dp_sizes: list[int], cpus: list[int] | None = None) -> list[str]:
+    """--cpu-bind specs for several servers on one machine (`pdserve up`): every worker gets
+    its own cores where there are enough (in proportion, at least one each), else one core
+    each, dealt round robin."""
+    cpus = available_cpus() if cpus is None else cpus
+    total = sum(dp_sizes)
+    per = max(1, len(cpus) // total)
+    specs, k = [], 0
+    for dp in dp_sizes:
+        ranks = []
+        for _ in range(dp):
+            mine = [cpus[(k + i) % len(cpus)] for i in range(per)]
+            k += per
+            ranks.append(",".join(map(str, mine)))
+        specs.append("|".join(ranks))
+    return specs
