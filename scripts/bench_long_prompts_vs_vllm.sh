@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Long prompts side by side in one run: vLLM-CPU and pdserve colocated (both prefix caching off,
+# same converted default model, one server at a time on 127.0.0.1), with vLLM's own load
+# generator for both. Each case runs alone and again beside one CPU-bound process.
+#   bash scripts/bench_long_prompts_vs_vllm.sh [OUT_DIR]      (benchmark only, never in CI)
+# Cases: one request at a time with max_tokens 1 at 1k/2k/4k/8k prompt tokens (TTFT = prefill
+# time, median of 5), and 16 random 1088-token prompts, 32 output tokens, 4 in flight.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-$(mktemp -d)}
+mkdir -p "$OUT"
+VLLM=${VLLM_CPU_TOOL:-../shared/tools/vllm-cpu}
+PY=.venv/bin/python
+MODEL_DIR=$($PY -c 'from pdserve.model_files.resolve import resolve_model; from pdserve.core.envs import Envs; print(resolve_model("smollm2-135m", Envs.read().cache_dir))')
+PORT=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+URL=http://127.0.0.1:$PORT
+LENS=${LENS:-"1024 2048 4096 8000"}
+pid="" hog=""
+stop() { [ -n "$pid" ] && kill -- -"$pid" 2>/dev/null; [ -n "$pid" ] && wait "$pid" 2>/dev/null; pid=""; }
+stop_hog() { [ -n "$hog" ] && kill "$hog" 2>/dev/null; [ -n "$hog" ] && wait "$hog" 2>/dev/null; hog=""; }
+trap 'stop; stop_hog' EXIT
+
+wait_up() {
+  for _ in $(seq 600); do
+    curl -sf "$URL/v1/models" >/dev/null && return 0
+    kill -0 "$pid" 2>/dev/null || { echo "server exited; log: $1" >&2; tail -20 "$1" >&2; exit 1; }
+    sleep 1
+  done
+  echo "server not up in 600 s" >&2; exit 1
+}
+
+bench() {  # $1 result name, more: vLLM bench serve flags
+  local name=$1; shift
+  "$VLLM" bench --backend openai --base-url "$URL" --endpoint /v1/completions --model default \
+    --tokenizer "$MODEL_DIR" --dataset-name random --ignore-eos --temperature 0 --seed 1 \
+    --save-result --result-dir "$OUT" --result-filename "$name.json" "$@" > "$OUT/$name.txt" 2>&1
+  echo "$name: $(grep -E 'Median TTFT|Mean TTFT|Output token throughput' "$OUT/$name.txt" | tr -s ' ' | tr '\n' ';')"
+}
+
+cases() {  # $1 system name
+  for hogged in alone busy; do
+    [ "$hogged" = busy ] && { python3 -c 'while True: pass' & hog=$!; }
+    for n in $LENS; do
+      bench "$1-$hogged-prefill-$n" --random-input-len "$n" --random-output-len 1 --num-prompts 6 \
+        --max-concurrency 1 --random-range-ratio 0
+    done
+    bench "$1-$hogged-4-in-flight" --random-input-len 1088 --random-output-len 32 --num-prompts 16 \
+      --max-concurrency 4 --random-range-ratio 0
+    stop_hog
+  done
+}
+
+echo "== vLLM-CPU (prefix caching off)"
+setsid "$VLLM" serve "$MODEL_DIR" "$PORT" --no-enable-prefix-caching --max-model-len 8192 \
+  > "$OUT/vllm-server.log" 2>&1 & pid=$!
+wait_up "$OUT/vllm-server.log"; cases vllm; stop
+
+echo "== pdserve colocated (prefix cache off)"
+setsid $PY -m pdserve serve --role colocated --host 127.0.0.1 --port "$PORT" --served-model-name default \
+  --max-total-tokens 65536 --disable-prefix-cache ${PDSERVE_ARGS:-} > "$OUT/pdserve-server.log" 2>&1 & pid=$!
+wait_up "$OUT/pdserve-server.log"; cases pdserve; stop
+echo "results in $OUT"
