@@ -53,6 +53,7 @@ BENCHES = {
     "kv": "pdserve.bench.kv_backends_bench",
     "kernels": "pdserve.bench.kernels_bench",
     "cache-parity": "pdserve.bench.cache_parity",
+    "long-arrival": "pdserve.bench.long_arrival",
 }
 
 

@@ -75,3 +75,7 @@ def main(argv=None) -> int:
         print(f"the others first differ at output token {min(firsts)}..{max(firsts)} "
               f"(median {statistics.median(firsts)}) of {a.new_tokens}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
