@@ -66,16 +66,32 @@ def compile_cached(src: Path, flags: tuple[str, ...], cache_dir: Path, cc: str =
     return out
 
 
+TILE_TWO_PASS = 1  # PagedAttentionKernel.tile_flags: two-pass softmax
+TILE_FORCE = 8  # tile_flags: tile every run of tile_min queries (no cost model)
+PER_QUERY_ONLY = 1 << 30  # a tile_min no run reaches: every query on the per-query path
+
+
 class PagedAttentionKernel:
     """One layer of a step over the paged pool (see cpu_paged_attention.c): decode stores each
     sequence's new K/V at its slot, then attends; prefill attends causally after the caller
     stored the new K/V. bfloat16 everywhere."""
 
+    # Prefill: a sequence's chunk is attended in tiles (blocks of 48 / G query tokens with the
+    # G query heads of a KV head x blocks of 64 keys, each K/V row loaded once per block) where
+    # the kernel's cost model says that is faster (from 3-8 tokens after a long prefix, ~24-32
+    # with none; tile_run_here in the C source); decode rows and short chunks one query at a
+    # time. Chunks under tile_min tokens never tile (0: the kernel's default, 2;
+    # PER_QUERY_ONLY: never).
+    tile_min: int = 0
+    # TILE_TWO_PASS: HF's rounding of normalised probabilities (1.5x the work; default: online
+    # softmax); TILE_FORCE: no cost model; bits 1-2: rows per block in units of 48, minus one
+    tile_flags: int = 0
+
     def __init__(self, lib: Path):
-        fn = ctypes.CDLL(str(lib)).pd_paged_attention
+        fn = ctypes.CDLL(str(lib)).pd_paged_attention_ex
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         fn.argtypes = [p, i64, p, i64, p, i64, p, p, p, p, i64, p, p, p, i64, i32, i32, i32,
-                       ctypes.c_float, i32]
+                       ctypes.c_float, i32, i32, i32]
         fn.restype = i32
         self._fn = fn
         self.path = lib
@@ -99,7 +115,9 @@ class PagedAttentionKernel:
         """q [B, Hq, D]; k_new, v_new [B, Hkv, D] (rows may be strided, heads contiguous);
         k_pool, v_pool [slots, Hkv, D] contiguous; write_slots [B] (None: already stored),
         table [rows, L], seq_lens [B] (keys each query reads) and table_rows [B] (its table
-        row; None: row b) int64 -> [B, Hq*D]."""
+        row; None: row b) int64 -> [B, Hq*D]. With write_slots None, consecutive queries on
+        one table row (a sequence's prefill chunk, as AttnBatch.build lays them out) are
+        attended in tiles where that is faster (see tile_min)."""
         B, Hq, D = q.shape
         Hkv = k_new.shape[1]
         for t in (q, k_new, v_new):
@@ -111,7 +129,8 @@ class PagedAttentionKernel:
                       None if write_slots is None else write_slots.data_ptr(),
                       table.data_ptr(), table.stride(0),
                       None if table_rows is None else table_rows.data_ptr(), seq_lens.data_ptr(),
-                      out.data_ptr(), B, Hq, Hkv, D, D ** -0.5, torch.get_num_threads())
+                      out.data_ptr(), B, Hq, Hkv, D, D ** -0.5, torch.get_num_threads(),
+                      self.tile_min, self.tile_flags)
         if rc != 0:
             raise RuntimeError(f"paged attention kernel failed (rc {rc}) for B={B} Hq={Hq} "
                                f"Hkv={Hkv} D={D}")
