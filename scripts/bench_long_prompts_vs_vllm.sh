@@ -41,7 +41,7 @@ cases() {  # $1 system name
   for hogged in alone busy; do
     [ "$hogged" = busy ] && { python3 -c 'while True: pass' & hog=$!; }
     for n in $LENS; do
-      bench "$1-$hogged-prefill-$n" --random-input-len "$n" --random-output-len 1 --num-prompts 6 \
+      bench "$1-$hogged-prefill-$n" --random-input-len "$n" --random-output-len 1 --num-prompts "${PREFILL_RUNS:-5}" \
         --max-concurrency 1 --random-range-ratio 0
     done
     bench "$1-$hogged-4-in-flight" --random-input-len 1088 --random-output-len 32 --num-prompts 16 \

@@ -403,8 +403,9 @@ def test_tiled_prefill_matches_reference_across_tile_edges(kernel, hq, hkv, d, p
 def test_tiled_prefill_of_a_3000_token_prompt(kernel):
     pool, q, k, v, batch = _prefill_case([3000], [3000], 9, 3, 64)
     exact, hf = _reference(q, pool, batch, [3000], [3000])
-    got = _run(kernel, pool, q, k, v, batch)  # the default policy tiles it
-    assert torch.equal(got, _run(_with(kernel, 1, cpu_kernels.TILE_FORCE), pool, q, k, v, batch))
+    got = _run(kernel, pool, q, k, v, batch)  # the default policy tiles it (two-pass softmax)
+    forced = _with(kernel, 1, cpu_kernels.TILE_FORCE | cpu_kernels.TILE_TWO_PASS)
+    assert torch.equal(got, _run(forced, pool, q, k, v, batch))
     _assert_near_reference(got, exact, hf)
 
 
@@ -419,7 +420,7 @@ def test_mixed_step_decode_beside_long_and_short_prefill_chunks(kernel):
     got = _run(kernel, pool, q, k, v, batch)
     _assert_near_reference(got, exact, hf)
     per_query = _run(_with(kernel, cpu_kernels.PER_QUERY_ONLY), pool, q, k, v, batch)
-    tiled = _run(_with(kernel, 1, cpu_kernels.TILE_FORCE), pool, q, k, v, batch)
+    tiled = _run(_with(kernel, 1, cpu_kernels.TILE_FORCE | cpu_kernels.TILE_TWO_PASS), pool, q, k, v, batch)
     rows = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(new_lens))
     for i, n in enumerate(new_lens):
         mine = rows == i

@@ -83,9 +83,12 @@ class PagedAttentionKernel:
     # time. Chunks under tile_min tokens never tile (0: the kernel's default, 2;
     # PER_QUERY_ONLY: never).
     tile_min: int = 0
-    # TILE_TWO_PASS: HF's rounding of normalised probabilities (1.5x the work; default: online
-    # softmax); TILE_FORCE: no cost model; bits 1-2: rows per block in units of 48, minus one
-    tile_flags: int = 0
+    # TILE_TWO_PASS (the default): HF's rounding points, probabilities normalised before they
+    # round to bf16, as the per-query path and HF's eager attention; 0: online softmax, ~1.5x
+    # faster but it rounds before normalising, which flipped a greedy answer of the default
+    # model in bf16 (tests/test_up.py); TILE_FORCE: no cost model; bits 1-2: rows per block in
+    # units of 48, minus one
+    tile_flags: int = TILE_TWO_PASS
 
     def __init__(self, lib: Path):
         fn = ctypes.CDLL(str(lib)).pd_paged_attention_ex
