@@ -16,8 +16,8 @@ PORT=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print
 URL=http://127.0.0.1:$PORT
 LENS=${LENS:-"1024 2048 4096 8000"}
 pid="" hog=""
-stop() { [ -n "$pid" ] && kill -- -"$pid" 2>/dev/null; [ -n "$pid" ] && wait "$pid" 2>/dev/null; pid=""; }
-stop_hog() { [ -n "$hog" ] && kill "$hog" 2>/dev/null; [ -n "$hog" ] && wait "$hog" 2>/dev/null; hog=""; }
+stop() { if [ -n "$pid" ]; then kill -- -"$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; fi; pid=""; }
+stop_hog() { if [ -n "$hog" ]; then kill "$hog" 2>/dev/null || true; wait "$hog" 2>/dev/null || true; fi; hog=""; }
 trap 'stop; stop_hog' EXIT
 
 wait_up() {
@@ -50,10 +50,12 @@ cases() {  # $1 system name
   done
 }
 
+if [ -z "${SKIP_VLLM:-}" ]; then
 echo "== vLLM-CPU (prefix caching off)"
 setsid "$VLLM" serve "$MODEL_DIR" "$PORT" --no-enable-prefix-caching --max-model-len 8192 \
   > "$OUT/vllm-server.log" 2>&1 & pid=$!
 wait_up "$OUT/vllm-server.log"; cases vllm; stop
+fi
 
 echo "== pdserve colocated (prefix cache off)"
 setsid $PY -m pdserve serve --role colocated --host 127.0.0.1 --port "$PORT" --served-model-name default \

@@ -18,7 +18,7 @@ URL=http://127.0.0.1:$PORT
 PREFIX_LEN=${PREFIX_LEN:-1024} SUFFIX_LEN=${SUFFIX_LEN:-64} PREFIXES=${PREFIXES:-4}
 OUTPUT_LEN=${OUTPUT_LEN:-32} PROMPTS=${PROMPTS:-64} CONC=${CONC:-4}
 pid=""
-stop() { [ -n "$pid" ] && kill -- -"$pid" 2>/dev/null; [ -n "$pid" ] && wait "$pid" 2>/dev/null; pid=""; }
+stop() { if [ -n "$pid" ]; then kill -- -"$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; fi; pid=""; }
 trap stop EXIT
 
 wait_up() {

@@ -56,21 +56,15 @@ def test_threads_follow_the_bound_cores_unless_given():
 
 
 def test_openmp_environment():
-    env = omp_env([2, 3], 2, passive=False, current={})
-    assert env == {"GOMP_CPU_AFFINITY": "2 3", "OMP_PROC_BIND": "true"}  # one pinned thread per core
-    # fewer threads than cores: confined to the cores (in the worker), not pinned one by one
-    assert omp_env([0, 1], 1, passive=False, current={}) == {}
-    assert omp_env([0], 1, passive=True, current={})["OMP_WAIT_POLICY"] == "PASSIVE"
-    # the user's own OpenMP settings win
-    assert omp_env([0], 1, passive=True, current={"OMP_WAIT_POLICY": "ACTIVE", "GOMP_CPU_AFFINITY": "5"}) == {}
-    assert omp_env(None, 4, passive=False, current={}) == {}
+    assert omp_env(passive=True, current={}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert omp_env(passive=False, current={}) == {}
+    assert omp_env(passive=True, current={"OMP_WAIT_POLICY": "ACTIVE"}) == {}  # the user's wins
 
 
 def test_worker_env_from_the_server_config():
-    cfg = ServerConfig(dp_size=2, cpu_bind="0|1")
-    assert worker_env(cfg, 1, {}) == {"GOMP_CPU_AFFINITY": "1", "OMP_PROC_BIND": "true"}
+    assert worker_env(ServerConfig(dp_size=2, cpu_bind="0|1"), 1, {}) == {}
     cfg = ServerConfig(dp_size=2, cpu_bind="0|0")  # two ranks on one core: no spinning
-    assert worker_env(cfg, 0, {})["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert worker_env(cfg, 0, {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def test_servers_started_together_get_their_own_cores_where_there_are_enough():
@@ -97,9 +91,33 @@ def test_a_real_workers_threads_run_on_its_cores(tmp_path):
         assert len(workers) == 2
         seen = sorted(sorted(_thread_cpus(w)) for w in workers)
         assert seen == [[cpus[0]], [cpus[1]]], seen  # every thread of each worker on its one core
+
     finally:
         srv.stop()
 
+
+@pytest.mark.e2e
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_a_one_rank_worker_uses_every_core(tmp_path):
+    """dp 1, auto: the worker may run on all cores and runs that many torch threads (a bound
+    worker whose compute threads all sat on one core prefilled at half speed)."""
+    from cluster import Server
+    from tiny_model import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "tiny"))
+    srv = Server("colocated", model, log_dir=str(tmp_path), extra=["--num-threads", "0"])
+    try:
+        srv.wait_ready()
+        import httpx
+
+        httpx.post(srv.url + "/generate", json={"input_ids": list(range(3, 200)),
+                                                "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+        (worker,) = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == srv.proc.pid]
+        assert _thread_cpus(worker) == set(os.sched_getaffinity(0))
+        env = open(f"/proc/{worker}/environ", "rb").read().split(b"\0")
+        assert not [e for e in env if e.startswith(b"GOMP_CPU_AFFINITY=")]
+    finally:
+        srv.stop()
 
 def _ppid(pid: int) -> int:
     try:

@@ -1,11 +1,10 @@
 """Which CPU cores each DP worker's threads run on (`--cpu-bind`), as vLLM's
 VLLM_CPU_OMP_THREADS_BIND: `auto` splits the cores this process may use among the ranks,
 `none` leaves placement to the kernel, and an explicit list gives each rank its cores
-(`0-3|4-7`, ranks separated by `|`). A bound worker runs one OpenMP thread per core, pinned
-(GOMP_CPU_AFFINITY): a busy process beside it then slows it by the core it takes, not by
-every barrier its threads meet. Where ranks of one server share a core, their threads wait
-passively (OMP_WAIT_POLICY=PASSIVE) so no worker spins on a core another one needs; a user's
-own OMP_WAIT_POLICY is kept."""
+(`0-3|4-7`, ranks separated by `|`). A bound worker is confined to its cores and runs one
+torch thread per core. Where ranks of one server share a core, their threads wait passively
+(OMP_WAIT_POLICY=PASSIVE) so no worker spins on a core another one needs; a user's own
+OMP_WAIT_POLICY is kept."""
 
 from __future__ import annotations
 
@@ -84,18 +83,15 @@ def threads_for(num_threads: int, cpus: list[int] | None, dp_size: int) -> int:
     return max(1, len(available_cpus()) // max(1, dp_size))
 
 
-def omp_env(cpus: list[int] | None, threads: int, passive: bool, current: Mapping[str, str]) -> dict[str, str]:
-    """Environment for a worker whose `threads` OpenMP threads run on `cpus` (None: unbound);
-    `current`: the environment it inherits (a user's own OpenMP settings win)."""
-    env = {}
+def omp_env(passive: bool, current: Mapping[str, str]) -> dict[str, str]:
+    """OpenMP environment for a worker; `current`: the one it inherits (a user's own setting
+    wins). Threads are not pinned one by one: pinning through GOMP_CPU_AFFINITY put both of a
+    2-thread worker's compute threads on one core in a server worker (load average 1 while
+    it prefilled), so a worker is confined to its cores (set_process_cpus) and the kernel
+    places its threads among them."""
     if passive and "OMP_WAIT_POLICY" not in current:
-        env["OMP_WAIT_POLICY"] = "PASSIVE"
-    if cpus and threads >= len(cpus) and "GOMP_CPU_AFFINITY" not in current:
-        # thread i on cpus[i % len]. With fewer threads than cores the worker is confined to its
-        # cores (set_process_cpus) and the kernel places the threads among them.
-        order = [cpus[i % len(cpus)] for i in range(threads)]
-        env.update(GOMP_CPU_AFFINITY=" ".join(map(str, order)), OMP_PROC_BIND="true")
-    return env
+        return {"OMP_WAIT_POLICY": "PASSIVE"}
+    return {}
 
 
 def set_process_cpus(cpus: list[int] | None) -> None:

@@ -6,7 +6,7 @@ import sys
 from typing import Mapping
 
 from ..core.config import ServerConfig, config_to_json
-from ..core.cpu_binding import omp_env, rank_cpus, shares_cores, threads_for
+from ..core.cpu_binding import omp_env, shares_cores
 
 DEFAULT_WORKER_MODULE = "pdserve.worker"
 
@@ -20,6 +20,4 @@ def worker_command(worker_module: str, dp_rank: int, cfg: ServerConfig, model_di
 
 def worker_env(cfg: ServerConfig, dp_rank: int, current: Mapping[str, str]) -> dict[str, str]:
     """The OpenMP placement of one worker (core/cpu_binding.py), read when torch starts in it."""
-    cpus = rank_cpus(cfg.cpu_bind, dp_rank, cfg.dp_size)
-    threads = threads_for(cfg.num_threads, cpus, cfg.dp_size)
-    return omp_env(cpus, threads, shares_cores(cfg.cpu_bind, cfg.dp_size), current)
+    return omp_env(shares_cores(cfg.cpu_bind, cfg.dp_size), current)

@@ -117,8 +117,7 @@ class WorkerPool:
             placement = worker_env(self.cfg, r, os.environ)
             wenv = {**os.environ, **placement, **secrets}
             self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=wenv))
-            log.info("started dp worker rank %d (pid %d, module %s, cpus %s)", r, self.procs[-1].pid,
-                     self.worker_module, placement.get("GOMP_CPU_AFFINITY", "unbound"))
+            log.info("started dp worker rank %d (pid %d, module %s)", r, self.procs[-1].pid, self.worker_module)
         self._tasks.append(asyncio.create_task(self._read_loop(), name="worker-reader"))
 
     async def _wait_ready(self, should_abort: Callable[[], bool] | None) -> None:
