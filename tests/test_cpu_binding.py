@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from pdserve.core.config import ServerConfig
-from pdserve.core.cpu_binding import (CpuBindError, omp_env, parse_cpus, rank_cpus, shares_cores,
+from pdserve.core.cpu_binding import (CpuBindError, omp_env, parse_cpus, rank_cpus,
                                       split_among_servers, threads_for)
 from pdserve.server.worker_cmd import worker_env
 
@@ -30,7 +30,6 @@ def test_auto_splits_the_cores_among_the_ranks():
     assert [rank_cpus("auto", r, 3, cpus) for r in range(3)] == [[0, 1], [2, 3], [4, 5]]
     assert [rank_cpus("auto", r, 4, [0, 1]) for r in range(4)] == [[0], [1], [0], [1]]  # fewer cores
     assert rank_cpus("none", 0, 2, cpus) is None
-    assert not shares_cores("auto", 2, cpus) and shares_cores("auto", 4, [0, 1])
 
 
 def test_explicit_lists_per_rank_are_checked():
@@ -40,7 +39,6 @@ def test_explicit_lists_per_rank_are_checked():
         rank_cpus("0-3", 0, 2, cpus)
     with pytest.raises(CpuBindError, match=r"may not use"):
         rank_cpus("0|9", 1, 2, cpus)
-    assert shares_cores("0|0", 2, cpus) and not shares_cores("0|1", 2, cpus)
 
 
 def test_a_bad_cpu_bind_is_a_start_up_error():
@@ -56,15 +54,12 @@ def test_threads_follow_the_bound_cores_unless_given():
 
 
 def test_openmp_environment():
-    assert omp_env(passive=True, current={}) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert omp_env(passive=False, current={}) == {}
-    assert omp_env(passive=True, current={"OMP_WAIT_POLICY": "ACTIVE"}) == {}  # the user's wins
+    assert omp_env(current={}) == {"OMP_WAIT_POLICY": "PASSIVE"}  # never spin on a shared core
+    assert omp_env(current={"OMP_WAIT_POLICY": "ACTIVE"}) == {}  # the user's own setting wins
 
 
 def test_worker_env_from_the_server_config():
-    assert worker_env(ServerConfig(dp_size=2, cpu_bind="0|1"), 1, {}) == {}
-    cfg = ServerConfig(dp_size=2, cpu_bind="0|0")  # two ranks on one core: no spinning
-    assert worker_env(cfg, 0, {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert worker_env(ServerConfig(dp_size=2, cpu_bind="0|1"), 1, {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def test_servers_started_together_get_their_own_cores_where_there_are_enough():
@@ -116,6 +111,7 @@ def test_a_one_rank_worker_uses_every_core(tmp_path):
         assert _thread_cpus(worker) == set(os.sched_getaffinity(0))
         env = open(f"/proc/{worker}/environ", "rb").read().split(b"\0")
         assert not [e for e in env if e.startswith(b"GOMP_CPU_AFFINITY=")]
+        assert b"OMP_WAIT_POLICY=PASSIVE" in env or "OMP_WAIT_POLICY" in os.environ
     finally:
         srv.stop()
 

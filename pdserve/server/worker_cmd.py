@@ -6,7 +6,7 @@ import sys
 from typing import Mapping
 
 from ..core.config import ServerConfig, config_to_json
-from ..core.cpu_binding import omp_env, shares_cores
+from ..core.cpu_binding import omp_env
 
 DEFAULT_WORKER_MODULE = "pdserve.worker"
 
@@ -20,4 +20,4 @@ def worker_command(worker_module: str, dp_rank: int, cfg: ServerConfig, model_di
 
 def worker_env(cfg: ServerConfig, dp_rank: int, current: Mapping[str, str]) -> dict[str, str]:
     """The OpenMP placement of one worker (core/cpu_binding.py), read when torch starts in it."""
-    return omp_env(shares_cores(cfg.cpu_bind, cfg.dp_size), current)
+    return omp_env(current)
