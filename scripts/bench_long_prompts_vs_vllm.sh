@@ -7,27 +7,11 @@
 # time, median of 5), and 16 random 1088-token prompts, 32 output tokens, 4 in flight.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-$(mktemp -d)}
-mkdir -p "$OUT"
-VLLM=${VLLM_CPU_TOOL:-../shared/tools/vllm-cpu}
-PY=.venv/bin/python
-MODEL_DIR=$($PY -c 'from pdserve.model_files.resolve import resolve_model; from pdserve.core.envs import Envs; print(resolve_model("smollm2-135m", Envs.read().cache_dir))')
-PORT=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-URL=http://127.0.0.1:$PORT
+. scripts/bench_common.sh
 LENS=${LENS:-"1024 2048 4096 8000"}
-pid="" hog=""
-stop() { if [ -n "$pid" ]; then kill -- -"$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; fi; pid=""; }
+hog=""
 stop_hog() { if [ -n "$hog" ]; then kill "$hog" 2>/dev/null || true; wait "$hog" 2>/dev/null || true; fi; hog=""; }
 trap 'stop; stop_hog' EXIT
-
-wait_up() {
-  for _ in $(seq 600); do
-    curl -sf "$URL/v1/models" >/dev/null && return 0
-    kill -0 "$pid" 2>/dev/null || { echo "server exited; log: $1" >&2; tail -20 "$1" >&2; exit 1; }
-    sleep 1
-  done
-  echo "server not up in 600 s" >&2; exit 1
-}
 
 bench() {  # $1 result name, more: vLLM bench serve flags
   local name=$1; shift

@@ -8,27 +8,10 @@
 #   multi-turn and no-sharing: `pdserve bench serve` (multi-turn resends the real answers)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-$(mktemp -d)}
-mkdir -p "$OUT"
-VLLM=${VLLM_CPU_TOOL:-../shared/tools/vllm-cpu}
-PY=.venv/bin/python
-MODEL_DIR=$($PY -c 'from pdserve.model_files.resolve import resolve_model; from pdserve.core.envs import Envs; print(resolve_model("smollm2-135m", Envs.read().cache_dir))')
-PORT=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-URL=http://127.0.0.1:$PORT
+. scripts/bench_common.sh
 PREFIX_LEN=${PREFIX_LEN:-1024} SUFFIX_LEN=${SUFFIX_LEN:-64} PREFIXES=${PREFIXES:-4}
 OUTPUT_LEN=${OUTPUT_LEN:-32} PROMPTS=${PROMPTS:-64} CONC=${CONC:-4}
-pid=""
-stop() { if [ -n "$pid" ]; then kill -- -"$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; fi; pid=""; }
 trap stop EXIT
-
-wait_up() {
-  for _ in $(seq 600); do
-    curl -sf "$URL/v1/models" >/dev/null && return 0
-    kill -0 "$pid" 2>/dev/null || { echo "server exited; log: $1" >&2; tail -20 "$1" >&2; exit 1; }
-    sleep 1
-  done
-  echo "server not up in 600 s" >&2; exit 1
-}
 
 shared_prefix() {  # $1 name: vLLM's generator, its prefix_repetition dataset
   "$VLLM" bench --backend openai --base-url "$URL" --endpoint /v1/completions --model default \

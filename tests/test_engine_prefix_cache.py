@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 pytest.importorskip("transformers")
 
 from tiny_model import make_tiny_model  # noqa: E402
+from prefix_tools import expected_cached  # noqa: E402
 
 from pdserve.core.sampling import SamplingParams  # noqa: E402
 from pdserve.engine.engine import Engine, EngineConfig  # noqa: E402
@@ -90,18 +91,6 @@ def reference(model, reqs: list[EngineRequest]) -> dict[str, list[int]]:
     return {r.rid: run(eng, {0: [r]})[r.rid]["tokens"] for r in reqs}
 
 
-def expected_cached(prompt: list[int], earlier: list[list[int]]) -> int:
-    """Full pages of `prompt` that an earlier sequence computed (its prompt + all but its last
-    output token), leaving one prompt token to compute."""
-    best = 0
-    for seen in earlier:
-        n = 0
-        while n < min(len(prompt), len(seen)) and prompt[n] == seen[n]:
-            n += 1
-        best = max(best, n)
-    return min(best, len(prompt) - 1) // PAGE * PAGE
-
-
 @pytest.mark.parametrize("prefix_len", [12, 13, 15, 16])  # on and off a page boundary
 def test_greedy_equal_with_cache_on_and_off_and_cached_tokens_exact(model, prefix_len):
     prefix = tokens(prefix_len, prefix_len)
@@ -113,9 +102,9 @@ def test_greedy_equal_with_cache_on_and_off_and_cached_tokens_exact(model, prefi
     for r in reqs:  # one after another: each can reuse what the ones before it computed
         got = run(eng, {0: [r]})[r.rid]
         assert got["tokens"] == ref[r.rid], r.rid
-        assert got["cached"] == expected_cached(r.prompt_ids, seen), r.rid
+        assert got["cached"] == expected_cached(r.prompt_ids, seen, PAGE), r.rid
         seen.append(r.prompt_ids + got["tokens"][:-1])
-    assert eng.stats().cache.hit_tokens == sum(expected_cached(p, seen[:i]) for i, p in enumerate(prompts))
+    assert eng.stats().cache.hit_tokens == sum(expected_cached(p, seen[:i], PAGE) for i, p in enumerate(prompts))
     assert eng.stats().cache.hit_tokens > 0
     assert_idle(eng)
 

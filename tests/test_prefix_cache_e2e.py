@@ -17,6 +17,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from cluster import Server, pd_body, post_both, run  # noqa: E402
 from tiny_model import make_tiny_model  # noqa: E402
+from prefix_tools import expected_cached  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 PAGE = 4  # cluster.Server's --page-size
@@ -61,18 +62,6 @@ def flush(srv: Server) -> dict:
     return r.json()
 
 
-def expected_cached(prompt: list[int], earlier: list[list[int]]) -> int:
-    """Full pages an earlier sequence on the same rank computed (prompt + all but its last
-    output), one prompt token always left to compute."""
-    best = 0
-    for seen in earlier:
-        n = 0
-        while n < min(len(prompt), len(seen)) and prompt[n] == seen[n]:
-            n += 1
-        best = max(best, n)
-    return min(best, len(prompt) - 1) // PAGE * PAGE
-
-
 def metric(srv: Server, name: str) -> float:
     text = httpx.get(srv.url + "/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
@@ -90,7 +79,7 @@ def test_colocated_cache_equals_cache_off_and_cached_tokens_exact(servers, prefi
     for prompt in prompts:
         got = generate(on, prompt)
         rank = got["meta_info"]["timeline"]["dp_rank"]
-        want = expected_cached(prompt, seen[rank])
+        want = expected_cached(prompt, seen[rank], PAGE)
         assert got["output_ids"] == generate(off, prompt)["output_ids"]
         assert got["meta_info"]["cached_tokens"] == want
         stages = {s["stage"]: s for s in got["meta_info"]["timeline"]["stages"]}
@@ -167,7 +156,7 @@ def test_pd_with_prefill_dp2_reuses_on_the_prefill_and_says_so_on_the_decode(ser
         assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
         out = rd.json()
         assert out["output_ids"] == generate(off, prompt, 8)["output_ids"]
-        want = expected_cached(prompt, seen)
+        want = expected_cached(prompt, seen, PAGE)
         assert out["meta_info"]["cached_tokens"] == want
         assert out["meta_info"]["prefill_dp_rank"] == rank
         # the prefill computes only the first token: its pages hold the prompt alone

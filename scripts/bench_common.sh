@@ -1,0 +1,20 @@
+# Sourced by the bench_*_vs_vllm.sh scripts: output dir, tools, the converted default model, a
+# free 127.0.0.1 port, and starting/stopping one server at a time (by process group).
+OUT=${1:-$(mktemp -d)}
+mkdir -p "$OUT"
+VLLM=${VLLM_CPU_TOOL:-../shared/tools/vllm-cpu}
+PY=.venv/bin/python
+MODEL_DIR=$($PY -c 'from pdserve.model_files.resolve import resolve_model; from pdserve.core.envs import Envs; print(resolve_model("smollm2-135m", Envs.read().cache_dir))')
+PORT=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+URL=http://127.0.0.1:$PORT
+pid=""
+stop() { if [ -n "$pid" ]; then kill -- -"$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; fi; pid=""; }
+
+wait_up() {  # $1: the server's log, shown if it exits
+  for _ in $(seq 600); do
+    curl -sf "$URL/v1/models" >/dev/null && return 0
+    kill -0 "$pid" 2>/dev/null || { echo "server exited; log: $1" >&2; tail -20 "$1" >&2; exit 1; }
+    sleep 1
+  done
+  echo "server not up in 600 s" >&2; exit 1
+}
