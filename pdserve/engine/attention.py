@@ -12,8 +12,8 @@ built for long sequences): see `_decode_attention` and `_causal_matmul_attention
 On CPU in bfloat16 every step goes to our C kernel instead where the engine has one
 (`batch.kernel`, see cpu_kernels.py): it attends reading the pool in place, each new token a
 query over its own sequence's slots (at 32 sequences ~2.5x faster than gather + bmm for
-decode); a long prefill chunk is tiled over query and key blocks with online softmax, 2.1-2.5x
-the per-query path at 1k-8k tokens (docs/benchmarks.md, "Long prompts").
+decode); a long prefill chunk is tiled over query and key blocks (two-pass softmax, ~1.5x
+the per-query path per layer at 1k-8k tokens; 2.1-2.5x with online softmax) (docs/benchmarks.md, "Long prompts").
 """
 
 from __future__ import annotations
