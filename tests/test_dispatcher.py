@@ -65,7 +65,7 @@ def test_follow_bootstrap_room_and_fallback():
     assert all("round_robin" in c.reason for c in no_room)
 
 
-@pytest.mark.parametrize("method", list(LBMethod))
+@pytest.mark.parametrize("method", [m for m in LBMethod if m is not LBMethod.AUTO])
 def test_routed_dp_rank_overrides_and_is_checked(method):
     d = DPDispatcher(2, method)
     assert d.choose(7, routed_dp_rank=1) == d.choose(8, routed_dp_rank=1)
@@ -233,3 +233,8 @@ def test_minimum_tokens_counts_only_what_the_cache_did_not_hold():
     assert d.loads[0].tokens == 100 and d.choose(None).dp_rank == 0
     d.finished(0, 1000 - 900)
     assert d.loads[0].tokens == 0
+
+
+def test_dispatcher_refuses_unresolved_auto():
+    with pytest.raises(ValueError, match="resolve"):
+        DPDispatcher(2, LBMethod.AUTO)

@@ -8,6 +8,8 @@ import json
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
+from .pd_vocab import DEFAULT_BOOTSTRAP_PORT, LB_METHODS
+
 
 class Role(str, enum.Enum):
     COLOCATED = "colocated"
@@ -15,7 +17,6 @@ class Role(str, enum.Enum):
     DECODE = "decode"
 
 
-LB_METHODS = ("auto", "round_robin", "shortest_queue", "minimum_tokens", "follow_bootstrap_room")
 
 
 def _opt(help: str, choices: tuple | None = None, aliases: tuple[str, ...] = (), **kw):
@@ -33,7 +34,7 @@ class ServerConfig:
     port: int = _opt("HTTP port", default=30000)
     dp_size: int = _opt("number of data-parallel worker processes", default=1)
     load_balance_method: str = _opt("DP dispatch method", LB_METHODS, default="auto")
-    bootstrap_port: int = _opt("prefill bootstrap service port", default=8998)
+    bootstrap_port: int = _opt("prefill bootstrap service port", default=DEFAULT_BOOTSTRAP_PORT)
     transfer_backend: str = _opt("KV transfer backend", ("tcp", "mooncake"), default="tcp")
     force_query_prefill_dp_rank: bool = _opt(
         "prefill: allow mixed routing; decode: always query the prefill DP rank", default=False)

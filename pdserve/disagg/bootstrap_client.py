@@ -17,9 +17,10 @@ from typing import Callable, TypeVar
 import httpx
 
 from ..core.errors import HandoffFailed
+from ..core.pd_vocab import DEFAULT_BOOTSTRAP_PORT, bootstrap_addr
 from .bootstrap_table import RankInfo, Topology
 
-DEFAULT_BOOTSTRAP_PORT = 8998
+__all__ = ["DEFAULT_BOOTSTRAP_PORT", "BootstrapClient", "BootstrapError", "bootstrap_addr"]
 _RETRY_PAUSE_S = 0.05
 T = TypeVar("T")
 
@@ -30,12 +31,6 @@ class BootstrapError(HandoffFailed):
     def __init__(self, message: str, http_status: int | None = None):
         super().__init__(message)
         self.http_status = http_status
-
-
-def bootstrap_addr(host: str, port: int | None) -> str:
-    """The address key of a bootstrap service; a None port means the default 8998."""
-    port = DEFAULT_BOOTSTRAP_PORT if port is None else port
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def _error_message(resp: httpx.Response) -> str:

@@ -24,10 +24,8 @@ from aiohttp import web
 
 from ..core.errors import BadRequest, PDServeError, Unauthorized
 from ..core.strict_json import loads_object
+from ..core.pd_vocab import MAX_QUERY_ROOMS, check_room
 from .bootstrap_table import BootstrapTable, RankInfo
-from .dp_rules import check_room
-
-MAX_QUERY_ROOMS = 4096
 MAX_REASON_CHARS = 2000
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterable, TypeVar
 from ..core.config import Role
 from ..core.envs import Envs
 from ..core.errors import BadRequest, Unavailable
-from .dp_rules import FOLLOW, check_rank, check_room, effective_method
+from ..core.pd_vocab import FOLLOW, check_rank, check_room
+from .dp_rules import effective_method
 
 T = TypeVar("T")
 _NO_DEFAULT: Any = object()

@@ -7,37 +7,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..core.config import LB_METHODS, Role
+from ..core.config import Role
 from ..core.errors import BadRequest
+from ..core.pd_vocab import FOLLOW, FORCE_ENV, LBMethod, check_rank, check_room
 
 if TYPE_CHECKING:
     from .bootstrap_table import Topology
 
-FOLLOW = "follow_bootstrap_room"
-MAX_ROOM = 1 << 63  # rooms live in [0, 2^63)
-FORCE_ENV = "PDSERVE_FORCE_QUERY_PREFILL_DP_RANK"
-
-
-def check_room(room: object, what: str = "bootstrap_room") -> int:
-    """Return `room` if it is an int in [0, 2^63), else raise BadRequest naming the value."""
-    if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < MAX_ROOM:
-        raise BadRequest(f"{what} must be an integer in [0, 2^63), got {room!r}")
-    return room
-
-
-def check_rank(rank: object, dp_size: int, what: str) -> int:
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < dp_size:
-        raise BadRequest(f"{what} must be an integer in [0, {dp_size}) (dp_size={dp_size}), got {rank!r}")
-    return rank
+__all__ = ["check_rank", "check_room", "conflict_message", "decide_prefill_rank", "effective_method",
+           "resolve_prefill_rank"]
 
 
 def effective_method(method: str, role: Role | str) -> str:
-    """Resolve `auto`: follow_bootstrap_room on a prefill server, round_robin elsewhere."""
-    if method not in LB_METHODS:
-        raise ValueError(f"unknown load_balance_method {method!r}; expected one of {LB_METHODS}")
-    if method != "auto":
-        return method
-    return FOLLOW if Role(role) is Role.PREFILL else "round_robin"
+    """`method` with `auto` resolved for `role` (LBMethod.resolved); ValueError if unknown."""
+    return LBMethod.parse(method).resolved(Role(role) is Role.PREFILL).value
 
 
 def conflict_message(routed: int, room: int, dp_size: int) -> str:

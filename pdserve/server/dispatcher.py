@@ -9,17 +9,12 @@ the dispatcher is built. In-flight load is what this front sent and has not seen
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 from ..core.errors import BadRequest
+from ..core.pd_vocab import LBMethod
 
-
-class LBMethod(str, enum.Enum):
-    ROUND_ROBIN = "round_robin"
-    SHORTEST_QUEUE = "shortest_queue"
-    MINIMUM_TOKENS = "minimum_tokens"
-    FOLLOW_BOOTSTRAP_ROOM = "follow_bootstrap_room"
+__all__ = ["Choice", "DPDispatcher", "LBMethod", "RankLoad"]
 
 
 @dataclass
@@ -40,6 +35,8 @@ class DPDispatcher:
             raise ValueError(f"dp_size must be >= 1, got {dp_size}")
         self.dp_size = dp_size
         self.method = LBMethod(method)
+        if self.method is LBMethod.AUTO:
+            raise ValueError("resolve load_balance_method 'auto' (LBMethod.resolved) before dispatching")
         self.loads = [RankLoad() for _ in range(dp_size)]
         self._next = 0
 

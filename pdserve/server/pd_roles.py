@@ -17,7 +17,8 @@ from ..core.errors import BadRequest
 from ..core.messages import PDParams, RoomFailedNotice
 from ..disagg.bootstrap_server import start_bootstrap_server
 from ..disagg.bootstrap_table import BootstrapTable
-from ..disagg.dp_rules import check_room, decide_prefill_rank
+from ..core.pd_vocab import check_room
+from ..disagg.dp_rules import decide_prefill_rank
 from .dispatcher import DPDispatcher, LBMethod
 from .protocol import RequestItem
 from .roles import Dispatch, FrontRole, RoleContext
@@ -38,7 +39,6 @@ def _pd_params(item: RequestItem, role: str) -> PDParams:
 
 class PrefillFrontRole(FrontRole):
     role = Role.PREFILL
-    auto_method = LBMethod.FOLLOW_BOOTSTRAP_ROOM
 
     def __init__(self, cfg: ServerConfig, envs: Envs | None = None):
         super().__init__(cfg)
@@ -120,7 +120,6 @@ class PrefillFrontRole(FrontRole):
 
 class DecodeFrontRole(FrontRole):
     role = Role.DECODE
-    auto_method = LBMethod.ROUND_ROBIN
 
     def __init__(self, cfg: ServerConfig, envs: Envs | None = None):
         super().__init__(cfg)

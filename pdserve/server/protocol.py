@@ -12,10 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import BadRequest
+from ..core.pd_vocab import DEFAULT_BOOTSTRAP_PORT, MAX_ROOM
 from ..core.sampling import SamplingParams
-
-DEFAULT_BOOTSTRAP_PORT = 8998
-ROOM_LIMIT = 1 << 63
 
 
 @dataclass(frozen=True)
@@ -107,8 +105,8 @@ def _host(key: str, v: Any) -> str | None:
 def pd_fields(body: dict, total: int) -> list[PDFields]:
     hosts = per_item(body, "bootstrap_host", total, _host)
     ports = per_item(body, "bootstrap_port", total, _int_or_none(1, 65536))
-    rooms = per_item(body, "bootstrap_room", total, _int_or_none(0, ROOM_LIMIT),
-                     spread=lambda room, k: (room + k) % ROOM_LIMIT)
+    rooms = per_item(body, "bootstrap_room", total, _int_or_none(0, MAX_ROOM),
+                     spread=lambda room, k: (room + k) % MAX_ROOM)
     pins = per_item(body, "disagg_prefill_dp_rank", total, _int_or_none(0, 1 << 16))
     return [PDFields(h, DEFAULT_BOOTSTRAP_PORT if p is None else p, r, q)
             for h, p, r, q in zip(hosts, ports, rooms, pins)]
@@ -164,7 +162,7 @@ def build_items(body: dict, prompts: list[list[int]], sampling: list[SamplingPar
             k = i * n + j
             sp = sampling[i].replace(n=1)
             if j and sp.seed is not None:
-                sp = sp.replace(seed=(sp.seed + j) % ROOM_LIMIT)
+                sp = sp.replace(seed=(sp.seed + j) % MAX_ROOM)
             items.append(RequestItem(k, ids_[k], prompt, sp, max_new_given[i], return_logprob,
                                      routed[k], pds[k]))
     return items

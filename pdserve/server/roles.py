@@ -38,7 +38,8 @@ class FrontRole(ABC):
     """A server role as seen by the HTTP front.
 
     Contract:
-    - `auto_method` is what `--load-balance-method auto` means for this role.
+    - `--load-balance-method auto` means follow_bootstrap_room on a prefill and round_robin
+      elsewhere (LBMethod.resolved).
     - `dispatch(item, dispatcher)` runs once per request item, before anything is sent to a
       worker, on the event loop (no blocking). It returns a `Dispatch` or raises a PDServeError
       (BadRequest for bad or conflicting PD fields); on error nothing of the request is sent.
@@ -51,7 +52,6 @@ class FrontRole(ABC):
     """
 
     role: Role
-    auto_method: LBMethod = LBMethod.ROUND_ROBIN
 
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg
@@ -62,7 +62,7 @@ class FrontRole(ABC):
 
     def lb_method(self) -> LBMethod:
         m = self.cfg.load_balance_method
-        return self.auto_method if m == "auto" else LBMethod(m)
+        return LBMethod.parse(m).resolved(self.role is Role.PREFILL)
 
     @abstractmethod
     def dispatch(self, item: RequestItem, dispatcher: DPDispatcher) -> Dispatch:
