@@ -575,3 +575,20 @@ def test_duplicate_kv_req_is_ignored(link):
     assert link.sender.rooms[ROOM].req["dst_pages"] == req["dst_pages"]
     link.sender.prefill_done(ROOM, SRC, dict(AUX))
     assert link.prefill_done()[0].ok
+
+
+def test_a_room_accepted_twice_is_refused_and_the_first_one_kept(link):
+    """Issue 14 item 1: a second request on a live room must not take over its entry and pages."""
+    link.sender.accept(ROOM, "p-1", PROMPT)
+    assert link.sender.holds(ROOM)
+    with pytest.raises(ValueError, match=f"room {ROOM} is already in progress"):
+        link.sender.accept(ROOM, "p-2", PROMPT + 4)
+    link.deliver_req()
+    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    [done] = link.prefill_done()
+    assert done.ok and done.rid == "p-1"
+    link.to_decode()
+    [got] = link.decode_done()
+    assert got.ok and got.aux["first_token"] == AUX["first_token"]
+    assert_pages_landed(link, SRC, [9, 3, 4])  # the pool's first free pages
+    assert_idle(link)

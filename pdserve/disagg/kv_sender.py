@@ -75,7 +75,14 @@ class PrefillSender:
         self.wake = wake  # called from job threads so the loop polls at once
 
     # ---- events ------------------------------------------------------------------------------
+    def holds(self, room: int) -> bool:
+        """`room` is in progress here (a second request for it must be refused)."""
+        return room in self.rooms
+
     def accept(self, room: int, rid: str, prompt_len: int) -> None:
+        """A prefill request for `room` arrived; ValueError if the room is already in progress."""
+        if room in self.rooms:
+            raise ValueError(f"room {room} is already in progress on prefill dp_rank {self.dp_rank}")
         r = PrefillRoom(room, rid, prompt_len, Handoff(room, Side.PREFILL))
         self.rooms[room] = r
         if room in self.failed:

@@ -69,6 +69,7 @@ class ActiveRequest:
             self._released.add(rid)
             it, d = self._where[rid]
             self._gen.dispatcher.finished(d.dp_rank, _cost(it) - self._reused.get(rid, 0))
+            self._gen.role.released(rid, d, self.progress[rid].finished and self.progress[rid].error is None)
 
     def _note_reuse(self, prog: ItemProgress) -> None:
         if prog.cached_tokens and prog.rid not in self._reused and prog.rid not in self._released:

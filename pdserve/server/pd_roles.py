@@ -17,13 +17,39 @@ from ..core.errors import BadRequest
 from ..core.messages import PDParams, RoomFailedNotice
 from ..disagg.bootstrap_server import start_bootstrap_server
 from ..disagg.bootstrap_table import BootstrapTable
-from ..core.pd_vocab import check_room
+from ..core.pd_vocab import MAX_ROOM, check_room
 from ..disagg.dp_rules import decide_prefill_rank
 from .dispatcher import DPDispatcher, LBMethod
 from .protocol import RequestItem
 from .roles import Dispatch, FrontRole, RoleContext
 
 log = logging.getLogger(__name__)
+
+
+class RoomRefused(BadRequest):
+    """A PD item refused because of its room (a conflict or a room already in flight)."""
+
+    def __init__(self, room: int, message: str):
+        super().__init__(message)
+        self.room = room
+
+
+def _refuse_live_room(claims: dict[int, tuple[str, int]], room: int, role: str) -> None:
+    """Two live requests on one room would take each other's KV: refuse the second."""
+    owner = claims.get(room)
+    if owner is not None:
+        raise RoomRefused(room, f"bootstrap_room {room} is already in flight on this {role} server "
+                                f"(request {owner[0]}, dp_rank {owner[1]}): every request needs a "
+                                "room of its own")
+
+
+def _release_claim(claims: dict[int, tuple[str, int]], rid: str, dispatch: Dispatch) -> bool:
+    """Drop `rid`'s claim on its room; False if it held none."""
+    room = dispatch.pd.bootstrap_room if dispatch.pd is not None else None
+    if room is None or claims.get(room, ("",))[0] != rid:
+        return False
+    del claims[room]
+    return True
 
 
 def _pd_params(item: RequestItem, role: str) -> PDParams:
@@ -49,6 +75,7 @@ class PrefillFrontRole(FrontRole):
                                     ttl=envs.room_ttl)
         self.bootstrap = None
         self.notify = lambda rank, msg: False
+        self.claims: dict[int, tuple[str, int]] = {}  # room -> (rid, dp_rank) of items in flight
 
     async def start(self, ctx: RoleContext) -> None:
         self.notify = ctx.send_to_worker  # RoomFailedNotice to the rank a rejected room implies
@@ -63,33 +90,56 @@ class PrefillFrontRole(FrontRole):
 
     def dispatch(self, item: RequestItem, dispatcher: DPDispatcher) -> Dispatch:
         pd = _pd_params(item, "prefill")
-        dp = self.cfg.dp_size
+        room, dp = pd.bootstrap_room, self.cfg.dp_size
+        _refuse_live_room(self.claims, room, "prefill")
         if pd.prefill_dp_rank is not None:
             dispatcher.check_rank(pd.prefill_dp_rank, "disagg_prefill_dp_rank")
         if item.routed_dp_rank is not None:
             dispatcher.check_rank(item.routed_dp_rank)
-        balanced = pd.bootstrap_room % dp if dispatcher.method is LBMethod.FOLLOW_BOOTSTRAP_ROOM \
-            else dispatcher.choose(pd.bootstrap_room).dp_rank
-        d = decide_prefill_rank(dp_size=dp, method=dispatcher.method.value, room=pd.bootstrap_room,
+        balanced = room % dp  # what follow_bootstrap_room picks; other methods ask the dispatcher,
+        pinned = item.routed_dp_rank is not None or pd.prefill_dp_rank is not None  # unless pinned
+        if dp > 1 and not pinned and dispatcher.method is not LBMethod.FOLLOW_BOOTSTRAP_ROOM:
+            balanced = dispatcher.choose(room).dp_rank
+        d = decide_prefill_rank(dp_size=dp, method=dispatcher.method.value, room=room,
                                 routed_dp_rank=item.routed_dp_rank,
                                 prefill_dp_rank_hint=pd.prefill_dp_rank, force=self.force,
                                 balanced_rank=balanced)
         if d.failed_reason is not None:  # rejected(): recorded as failed, workers told
-            log.warning("room %d rejected: %s", pd.bootstrap_room, d.failed_reason)
-            raise BadRequest(d.failed_reason)
+            log.warning("room %d rejected: %s", room, d.failed_reason)
+            raise RoomRefused(room, d.failed_reason)
         if d.record:
-            self.table.record(pd.bootstrap_room, d.rank)
+            self.table.record(room, d.rank)
+        self.claims[room] = (item.rid, d.rank)
         return Dispatch(d.rank, d.path, pd)
 
     def rejected(self, items: list[RequestItem], error: BaseException) -> None:
-        """A refused PD item fails its room everywhere a decode may look, so the decode leg
-        ends at once with the same reason instead of waiting for a deadline."""
+        """A refused request fails the rooms of its items everywhere a decode may look, so their
+        decode legs end at once instead of at a deadline; each item's reason names its own room.
+        A room that belongs to another request in flight is left alone."""
         reason = getattr(error, "message", None) or str(error)
+        culprit = getattr(error, "room", None)
         for it in items:
             room = it.pd.bootstrap_room
-            if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 1 << 63:
+            if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < MAX_ROOM:
                 continue
-            self._fail_everywhere(room, reason)  # dispatch() logged it
+            owner = self.claims.get(room)
+            if owner is not None and owner[0] != it.rid:
+                continue  # a duplicate of a live room: refusing this item must not fail that one
+            self.claims.pop(room, None)
+            if room == culprit or (culprit is None and f"room {room}" in reason):
+                why = reason
+            elif culprit is None:
+                why = f"bootstrap_room {room}: its request was refused: {reason}"
+            else:
+                why = f"bootstrap_room {room} was refused with another item of its request: {reason}"
+            self._fail_everywhere(room, why)  # dispatch() logged it
+
+    def released(self, rid: str, dispatch: Dispatch, ok: bool) -> None:
+        """A finished room is no longer in flight here; a successful one is forgotten by the
+        bootstrap table now (its decode has its KV), a failed one stays until its TTL so that a
+        late query or kv_req for it fails at once."""
+        if _release_claim(self.claims, rid, dispatch) and ok:
+            self.table.forget(dispatch.pd.bootstrap_room)  # type: ignore[union-attr]
 
     def fail_room(self, room: int, reason: str) -> None:
         """POST /fail_room: a decode gave `room` up."""
@@ -125,11 +175,23 @@ class DecodeFrontRole(FrontRole):
         super().__init__(cfg)
         envs = envs or Envs.read()
         self.force = cfg.force_query_prefill_dp_rank or envs.force_query_prefill_dp_rank
+        self.claims: dict[int, tuple[str, int]] = {}  # room -> (rid, dp_rank) of items in flight
 
     def dispatch(self, item: RequestItem, dispatcher: DPDispatcher) -> Dispatch:
         pd = _pd_params(item, "decode")
+        _refuse_live_room(self.claims, pd.bootstrap_room, "decode")
         choice = dispatcher.choose(pd.bootstrap_room, item.routed_dp_rank)
+        self.claims[pd.bootstrap_room] = (item.rid, choice.dp_rank)
         return Dispatch(choice.dp_rank, choice.reason, pd)
+
+    def rejected(self, items: list[RequestItem], error: BaseException) -> None:
+        for it in items:  # claims of this request only: a duplicate's owner stays in flight
+            room = it.pd.bootstrap_room
+            if room is not None and self.claims.get(room, ("",))[0] == it.rid:
+                del self.claims[room]
+
+    def released(self, rid: str, dispatch: Dispatch, ok: bool) -> None:
+        _release_claim(self.claims, rid, dispatch)
 
     def server_info(self) -> dict:
         return {"force_query_prefill_dp_rank": self.force}

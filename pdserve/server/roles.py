@@ -77,6 +77,9 @@ class FrontRole(ABC):
     def rejected(self, items: list[RequestItem], error: BaseException) -> None:
         """The request was refused before reaching any worker (bad input, conflict)."""
 
+    def released(self, rid: str, dispatch: Dispatch, ok: bool) -> None:
+        """An item that `dispatch` accepted ended (`ok`: it finished without an error)."""
+
     async def before_workers(self) -> None:
         pass
 

@@ -47,6 +47,10 @@ class PrefillRole(WorkerRole):
             return self.local_role.on_generate(req)
         try:
             require_pd(req, "prefill")
+            room = req.pd.bootstrap_room
+            if self.sender.holds(room):  # never fail or overwrite the live one
+                return [error_output(req.rid, 400, f"bootstrap_room {room} is already in flight on "
+                                     f"prefill dp_rank {self.dp_rank}", "invalid_request_error")]
             self.engine.add(EngineRequest(req.rid, req.input_ids, req.sampling.replace(max_new_tokens=1),
                                           req.return_logprob, hold_kv=True))
         except PDServeError as e:
