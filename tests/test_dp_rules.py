@@ -1,4 +1,4 @@
-"""DESIGN section 4: the prefill dispatch table row by row, and the decode's resolution order."""
+"""docs/architecture.md, DP-rank rules: the prefill dispatch table row by row, and the decode's resolution order."""
 
 from __future__ import annotations
 

@@ -132,7 +132,9 @@ def test_reserve_waits_count_against_the_waiting_timeout(request):
     t0 = lk.receiver.rooms[ROOM].handoff.created
     [ddone] = lk.receiver.poll(now=t0 + 30.1)
     assert not ddone.ok and "PDSERVE_WAITING_TIMEOUT" in ddone.reason and "bootstrapping" in ddone.reason
-    assert lk.prefill_be.recv(0.05) == []  # no pages were sent for: no kv_abort either
+    # no pages here, so it is reported at once; the prefill still hears of it and frees its own
+    [(_, msg)] = lk.prefill_be.recv(WAIT_S)
+    assert msg["t"] == wire.KV_ABORT and "PDSERVE_WAITING_TIMEOUT" in msg["reason"]
 
 
 def test_kv_req_send_failure_fails_naming_room_and_prefill(link):
@@ -204,8 +206,10 @@ def test_decode_abort_while_waiting_for_pages(request):
     lk.receiver.on_resolved(lk.resolved())
     assert lk.receiver.poll() == []
     lk.receiver.abort(ROOM, "client went away")
-    [ddone] = lk.receiver.poll()
-    assert not ddone.ok and lk.prefill_be.recv(0.05) == []
+    [ddone] = lk.receiver.poll()  # at once: no pages of ours that a write could reach
+    assert not ddone.ok
+    [(_, msg)] = lk.prefill_be.recv(WAIT_S)  # the prefill frees its pages now, not at its deadline
+    assert msg["t"] == wire.KV_ABORT and msg["reason"] == "client went away"
 
 
 @pytest.mark.parametrize("prefill_has_request", [False, True])
@@ -281,7 +285,7 @@ class StubHealth:
 def heartbeat_of(request):
     def make(client, receiver, max_failures: int = 2) -> Heartbeat:
         hb = Heartbeat(client, interval=3600.0, max_failures=max_failures,
-                       watched=receiver.watched, on_gone=receiver.on_gone)
+                       watched=receiver.watched, on_gone=receiver.on_gone, on_alive=receiver.on_alive)
         request.addfinalizer(hb.close)
         return hb
     return make
@@ -317,14 +321,32 @@ def test_heartbeat_miss_count_resets_on_an_answer(link, heartbeat_of):
 
 
 def test_heartbeat_restarted_prefill_fails_its_rooms(link, heartbeat_of):
-    client = StubHealth({ADDR: "a-1"})
+    client = StubHealth({ADDR: "inst-1"})
     hb = heartbeat_of(client, link.receiver)
     accept(link)
+    link.receiver.on_resolved(link.resolved())  # resolved against instance inst-1
     hb.beat_all()
-    client.answers[ADDR] = "a-2"
+    assert link.receiver.poll() == []
+    client.answers[ADDR] = "inst-2"
     hb.beat_all()
-    [ddone] = link.receiver.poll()
-    assert not ddone.ok and "restarted" in ddone.reason and "a-1" in ddone.reason
+    [ddone] = link.decode_done()
+    assert not ddone.ok and "restarted (instance inst-1 -> inst-2)" in ddone.reason
+
+
+def test_heartbeat_after_an_idle_restart_spares_the_new_rooms(link, heartbeat_of):
+    """Issue 14 item 4: the prefill restarted while this decode had nothing in flight; a room
+    still resolving against the new instance must not be failed as 'restarted'."""
+    client = StubHealth({ADDR: "inst-1"})
+    hb = heartbeat_of(client, link.receiver)
+    accept(link, 1)
+    link.receiver.on_resolved(link.resolved(1))
+    hb.beat_all()
+    link.receiver.on_gone(ADDR, "done")  # room 1 ends; nothing in flight
+    link.decode_done()
+    client.answers[ADDR] = "inst-2"  # restarted while idle
+    accept(link, 2)  # resolving
+    hb.beat_all()
+    assert link.receiver.poll() == [] and not link.receiver.rooms[2].handoff.done
 
 
 def test_heartbeat_thread_beats_on_its_own(link, request):

@@ -572,7 +572,7 @@ def test_duplicate_kv_req_is_ignored(link):
     link.sender.on_message(link.d_local["endpoint"], req)
     assert link.sender.rooms[ROOM].handoff.state is S.WAITING_FOR_INPUT
     link.sender.on_message(link.d_local["endpoint"], {**req, "dst_pages": [0]})
-    assert link.sender.rooms[ROOM].req["dst_pages"] == req["dst_pages"]
+    assert link.sender.rooms[ROOM].req.dst_pages == req["dst_pages"]
     link.sender.prefill_done(ROOM, SRC, dict(AUX))
     assert link.prefill_done()[0].ok
 

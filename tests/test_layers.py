@@ -1,4 +1,4 @@
-"""The layering of DESIGN section 8, checked by reading every module's imports."""
+"""The layering of docs/architecture.md (Processes), checked by reading every module's imports."""
 
 from __future__ import annotations
 

@@ -36,8 +36,8 @@ def servers(model_dir, tmp_path_factory):
         "colo": Server("colocated", model_dir, log_dir=logs),
         "p1": Server("prefill", model_dir, dp=1, log_dir=logs),
         "p2": Server("prefill", model_dir, dp=2, log_dir=logs),
-        "p2_force": Server("prefill", model_dir, dp=2, log_dir=logs,
-                           env={"PDSERVE_FORCE_QUERY_PREFILL_DP_RANK": "1"}),
+        "p2_force": Server("prefill", model_dir, dp=2, log_dir=logs,  # SGLang's name for FORCE
+                           env={"SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK": "1"}),
         "p2_rr": Server("prefill", model_dir, dp=2, log_dir=logs,
                         extra=["--load-balance-method", "round_robin"]),
         "d1": Server("decode", model_dir, dp=1, log_dir=logs),
@@ -149,7 +149,8 @@ def test_force_on_prefill_only_turns_conflict_into_success(servers):
     assert rd.status_code == 200, rd.text
     assert rd.json()["output_ids"] == colocated(servers, PROMPTS[0])
     meta = rd.json()["meta_info"]
-    assert meta["dp_rank_path"] == "query" and meta["prefill_dp_rank"] == 1
+    # the decode sent its KV request to the room's home rank 0, which forwarded it to rank 1
+    assert meta["dp_rank_path"] == "forward" and meta["prefill_dp_rank"] == 1
     assert P.info()["force_query_prefill_dp_rank"] is True
     assert_idle(P, D)
 
@@ -191,7 +192,9 @@ def test_force_on_decode_only_uses_query_path_and_conflict_still_rejected(server
 
 
 @pytest.mark.parametrize("p", ["p2_rr"])
-def test_round_robin_prefill_works_through_query_path(servers, p):
+def test_round_robin_prefill_is_reached_without_a_query(servers, p):
+    """Zero-round-trip rendezvous for a load-aware prefill method: the KV request goes to the
+    room's home rank, which forwards it to the rank round_robin chose."""
     P, D = servers[p], servers["d2"]
     ranks = set()
     for prompt in PROMPTS:
@@ -199,9 +202,70 @@ def test_round_robin_prefill_works_through_query_path(servers, p):
         rp, rd = run(post_both(P, D, body))
         assert rd.status_code == 200, rd.text
         assert rd.json()["output_ids"] == colocated(servers, prompt)
-        assert rd.json()["meta_info"]["dp_rank_path"] == "query"
+        assert rd.json()["meta_info"]["dp_rank_path"] == "forward"
         ranks.add(rd.json()["meta_info"]["prefill_dp_rank"])
     assert ranks == {0, 1}
+    assert_idle(P, D)
+
+
+@pytest.mark.parametrize("p", ["p2", "p2_rr"])
+def test_rooms_at_the_top_of_the_range_and_n_samples_wrapping_to_zero(servers, p):
+    """Rooms near 2^63 end to end; with n=2 one room is spread over the samples (room + j) mod
+    2^63, so 2^63 - 1 is followed by room 0."""
+    P, D = servers[p], servers["d2"]
+    top = (1 << 63) - 1
+    body = pd_body({"text": PROMPTS[0], "sampling_params": {**greedy(), "n": 2}}, P, top)
+    rp, rd = run(post_both(P, D, body))
+    assert rp.status_code == 200, rp.text
+    assert rd.status_code == 200, rd.text
+    want = colocated(servers, PROMPTS[0])
+    answers = rd.json()
+    assert [a["output_ids"] for a in answers] == [want, want]
+    assert sorted(a["meta_info"]["bootstrap_room"] for a in answers) == [0, top]
+    assert_idle(P, D)
+
+
+def test_a_batch_with_one_conflicting_item_fails_every_item_fast_naming_its_room(servers):
+    P, D = servers["p2"], servers["d1"]
+    good, bad = room_for_rank(1, 2), room_for_rank(0, 2)
+    body = pd_body({"text": PROMPTS[:2], "sampling_params": greedy(), "routed_dp_rank": 1}, P, [good, bad])
+    t0 = time.monotonic()
+    rp, rd = run(post_both(P, D, body, decode_extra={"routed_dp_rank": 0}))
+    assert rp.status_code == 400 and f"bootstrap_room {bad} implies dp_rank 0" in rp.json()["error"]["message"]
+    assert rd.status_code >= 400
+    msg = rd.json()["error"]["message"]
+    assert str(good) in msg or str(bad) in msg
+    assert time.monotonic() - t0 < 15, "the decode learned the reason instead of waiting for a deadline"
+    assert_idle(P, D)
+    # the same rooms, now valid, are not poisoned for a later request of their own
+    body = pd_body({"text": PROMPTS[0], "sampling_params": greedy()}, P, room_for_rank(1, 2))
+    rp, rd = run(post_both(P, D, body))
+    assert rd.status_code == 200, rd.text
+
+
+def test_a_second_request_on_a_live_room_is_refused_and_the_first_one_served(servers):
+    """Issue 14 items 1-2: the duplicate must neither take the first one's KV nor fail it."""
+    import asyncio
+
+    import httpx
+
+    P, D = servers["p2_rr"], servers["d2"]
+    room = random.getrandbits(63)
+    first = pd_body({"text": PROMPTS[3], "sampling_params": greedy()}, P, room)
+    second = pd_body({"text": PROMPTS[1], "sampling_params": greedy()}, P, room)
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=60) as c:
+            p1 = asyncio.ensure_future(c.post(P.url + "/generate", json=first))  # holds the room
+            await asyncio.sleep(0.5)
+            p2 = await c.post(P.url + "/generate", json=second)
+            d1 = await c.post(D.url + "/generate", json=first)
+            return await p1, p2, d1
+    rp1, rp2, rd1 = run(scenario())
+    assert rp2.status_code == 400 and f"bootstrap_room {room} is already in flight" in rp2.text
+    assert rp1.status_code == 200, rp1.text
+    assert rd1.status_code == 200, rd1.text
+    assert rd1.json()["output_ids"] == colocated(servers, PROMPTS[3])
     assert_idle(P, D)
 
 

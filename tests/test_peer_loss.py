@@ -109,14 +109,31 @@ def test_gone_ranks_fail_only_rooms_resolved_to_them(link):
     assert set(link.receiver.rooms) == {1, 3}
 
 
-def test_restart_spares_rooms_resolved_against_the_live_instance(link):
+def test_restart_fails_only_rooms_resolved_against_another_instance(link):
     resolve(link, 1, rank=0, instance="new")
     resolve(link, 2, rank=0, instance="old")
-    resolve(link, 3, rank=None)
-    link.receiver.on_gone(ADDR, "prefill restarted", spare_instance="new")
+    resolve(link, 3, rank=None)  # still resolving: its resolution sees the new instance
+    link.receiver.on_alive(ADDR, "new")
     out = failed(link)
-    assert sorted(out) == [2, 3] and all("prefill restarted" in why for why in out.values())
-    assert set(link.receiver.rooms) == {1}
+    assert list(out) == [2] and "restarted (instance old -> new); its rooms are lost" in out[2]
+    assert set(link.receiver.rooms) == {1, 3}
+
+
+def test_a_restart_while_idle_spares_rooms_of_the_new_instance(link):
+    """Issue 14 item 4: rooms resolved against instance A finished; the prefill restarted as B
+    while the decode was idle; a new room resolving (and then resolved) against B must live."""
+    resolve(link, 1, rank=0, instance="A")
+    link.receiver.on_alive(ADDR, "A")
+    link.receiver.on_gone(ADDR, "finished with it")  # ends room 1 without waiting on the prefill
+    failed(link)
+    assert link.receiver.rooms == {}
+    resolve(link, 2, rank=None)  # resolving against B
+    link.receiver.on_alive(ADDR, "B")
+    assert link.receiver.poll() == []
+    res = link.resolved(2, 0)
+    link.receiver.on_resolved(Resolved(2, ADDR, 0, "query", res.info, "B"))
+    link.receiver.on_alive(ADDR, "B")
+    assert link.receiver.poll() == [] and not link.receiver.rooms[2].handoff.done
 
 
 # ---- heartbeat -----------------------------------------------------------------------------------
@@ -134,10 +151,11 @@ class Health:
         return dict(self.gone)
 
 
-def test_heartbeat_reports_gone_ranks_and_restarts_with_the_live_instance():
-    client, calls = Health(), []
+def test_heartbeat_reports_gone_ranks_and_the_live_instance_of_every_answer():
+    client, calls, alive = Health(), [], []
     hb = Heartbeat(client, interval=3600.0, max_failures=2, watched=lambda: {ADDR},
                    on_gone=lambda addr, reason, **kw: calls.append((addr, reason, kw)),
+                   on_alive=lambda addr, inst: alive.append((addr, inst)),
                    gone_ranks=client.gone_ranks)
     try:
         hb.beat_all()
@@ -149,8 +167,7 @@ def test_heartbeat_reports_gone_ranks_and_restarts_with_the_live_instance():
         calls.clear()
         client.gone, client.instance = {}, "b"
         hb.beat_all()
-        [(addr, reason, kw)] = calls
-        assert "restarted (instance a -> b)" in reason and kw == {"spare_instance": "b"}
+        assert calls == [] and alive == [(ADDR, "a"), (ADDR, "a"), (ADDR, "b")]
     finally:
         hb.close()
 

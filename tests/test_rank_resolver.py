@@ -1,20 +1,24 @@
 """RankResolver against a real bootstrap service (ThreadedBootstrap on 127.0.0.1, free port) over a
-BootstrapTable the test fills: each path of DESIGN section 4's decode resolution, the batched
+BootstrapTable the test fills: each path of the decode's resolution order (docs/architecture.md), the batched
 /query_dp_ranks (counted on the table side), and every way it fails."""
 
 from __future__ import annotations
 
 import queue
 import socket
+import threading
 import time
 
 import pytest
 
-from pdserve.disagg.bootstrap_client import BootstrapClient
+from pdserve.core.errors import BadRequest
+from pdserve.core.failures import FailureCause
+from pdserve.core.pd_vocab import MAX_QUERY_ROOMS
+from pdserve.disagg.bootstrap_client import BootstrapClient, BootstrapError
 from pdserve.disagg.bootstrap_server import ThreadedBootstrap
 from pdserve.disagg.bootstrap_table import BootstrapTable, RankInfo
 from pdserve.disagg.dp_rules import conflict_message
-from pdserve.disagg.rank_resolver import RankResolver, Resolved
+from pdserve.disagg.rank_resolver import QueryBatcher, RankResolver, Resolved
 from test_kv_sender import WAIT_S
 from test_kv_sender import no_stray_threads  # noqa: F401  (autouse fixture, applies here too)
 
@@ -198,3 +202,147 @@ def test_cancelled_room_gets_no_answer_and_leaves_no_pending_query(request):
     assert_found(env, env.resolve(81), 0, "query")  # had 80 still been pending, it rode along
     assert env.results.empty()
     assert all(80 not in q for q, _ in env.table.queries if 81 in q)
+
+
+# ---- the batcher: the per-call room limit, and addresses that do not wait on each other ------
+class GatedClient(BootstrapClient):
+    """A real client that notes how many rooms each /query_dp_ranks call carried; until `gate` is
+    set, calls do not reach the service: they wait for the gate, then answer "nothing yet"."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.sizes: list[int] = []
+        self.gate = threading.Event()
+        self.held: list[int] = []  # sizes of the calls held at the gate
+
+    def query_dp_ranks(self, addr, rooms):
+        self.sizes.append(len(rooms))
+        if not self.gate.is_set():
+            self.held.append(len(rooms))
+            self.gate.wait(WAIT_S)
+            return {}, {}
+        return super().query_dp_ranks(addr, rooms)
+
+
+class FakeQueryClient:
+    """query_dp_ranks only, refusing more than MAX_QUERY_ROOMS rooms like the service: every room
+    is found at rank room % 2; a call holding any room in `fail_rooms` fails; a call to an address in
+    `hang` blocks until `release` is set (at most HANG_S)."""
+
+    HANG_S = 5.0
+
+    def __init__(self, hang: set[str] = frozenset(), fail_rooms: set[int] = frozenset()):
+        self.hang, self.fail_rooms = set(hang), set(fail_rooms)
+        self.release = threading.Event()
+        self.hanging = threading.Event()  # set once a call to a hanging address began
+        self.calls: list[tuple[str, int]] = []
+        self._lock = threading.Lock()
+
+    def query_dp_ranks(self, addr, rooms):
+        with self._lock:
+            self.calls.append((addr, len(rooms)))
+        if len(rooms) > MAX_QUERY_ROOMS:
+            raise BadRequest(f"at most {MAX_QUERY_ROOMS} bootstrap_rooms per query, got {len(rooms)}")
+        if addr in self.hang:
+            self.hanging.set()
+            self.release.wait(self.HANG_S)
+            raise BootstrapError(f"bootstrap {addr}: timed out")
+        if self.fail_rooms & set(rooms):
+            raise BootstrapError(f"bootstrap {addr}: chunk refused")
+        return {r: r % 2 for r in rooms}, {}
+
+
+class Answers:
+    """A QueryBatcher over `client` whose on_answer calls land in a queue."""
+
+    def __init__(self, request, client):
+        self.q: queue.Queue = queue.Queue()
+        self.batcher = QueryBatcher(client, lambda *a: self.q.put(a))
+        request.addfinalizer(self.batcher.close)
+
+    def collect(self, n: int, within: float = WAIT_S) -> dict[tuple[str, int], tuple]:
+        got: dict[tuple[str, int], tuple] = {}
+        end = time.monotonic() + within
+        while len(got) < n:
+            left = end - time.monotonic()
+            assert left > 0, f"only {len(got)}/{n} rooms answered within {within} s"
+            try:
+                addr, room, rank, error, cause = self.q.get(timeout=left)
+            except queue.Empty:
+                continue
+            assert (addr, room) not in got, f"room {room} of {addr} answered twice"
+            got[(addr, room)] = (rank, error, cause)
+        return got
+
+
+def test_more_rooms_than_one_query_may_carry_are_all_resolved(request):
+    table = CountingTable(dp_size=2, force_query_dp_rank=True)
+    server = ThreadedBootstrap(table)
+    request.addfinalizer(server.stop)
+    client = GatedClient(timeout=2.0)
+    request.addfinalizer(client.close)
+    request.addfinalizer(client.gate.set)
+    n = MAX_QUERY_ROOMS + 904
+    for room in range(n):
+        table.record(room, room % 2)
+    ans = Answers(request, client)
+    deadline = time.monotonic() + 3.0
+    for room in range(n):
+        ans.batcher.add(server.addr, room, deadline)
+    # every room pending, and a round held at the gate: the rounds after it carry all n rooms
+    while len(ans.batcher.pending.get(server.addr, {})) < n or not client.held:
+        assert time.monotonic() < deadline, "rooms did not become pending"
+        time.sleep(0.005)
+    client.gate.set()
+    got = ans.collect(n)
+    bad = {k: v for k, v in got.items() if v[1] is not None}
+    assert not bad, f"{len(bad)} rooms failed, e.g. {next(iter(bad.values()))[1]}"
+    assert all(got[(server.addr, room)][0] == room % 2 for room in range(n))
+    assert max(client.sizes) <= MAX_QUERY_ROOMS, max(client.sizes)
+    assert sum(len(q) for q, _ in table.queries) >= n  # all of them were asked of the service
+    assert ans.batcher.pending == {}
+
+
+def test_a_failed_chunk_does_not_fail_the_other_rooms(request):
+    # a call holding any room below MAX_QUERY_ROOMS fails. Rooms are added in order and those are
+    # never answered before their deadline, so they fill the first chunk of every round (all of it
+    # once every room is pending) and time out; the 10 rooms after them, in a chunk of their own,
+    # do not wait for that
+    client = FakeQueryClient(fail_rooms=set(range(MAX_QUERY_ROOMS)))
+    ans = Answers(request, client)
+    n = MAX_QUERY_ROOMS + 10
+    deadline = time.monotonic() + 1.5
+    for room in range(n):
+        ans.batcher.add("p:1", room, deadline)
+    first = ans.collect(10, within=1.0)  # before the failing chunk's rooms time out
+    assert first == {("p:1", room): (room % 2, None, FailureCause.RESOLVE) for room in range(MAX_QUERY_ROOMS, n)}
+    rest = ans.collect(MAX_QUERY_ROOMS)
+    assert {room for _, room in rest} == set(range(MAX_QUERY_ROOMS))
+    for rank, error, cause in rest.values():
+        assert rank is None and cause == FailureCause.TIMEOUT and "chunk refused" in error, error
+    assert max(size for _, size in client.calls) <= MAX_QUERY_ROOMS
+    assert ans.batcher.pending == {}
+
+
+def test_a_hanging_prefill_does_not_delay_the_others(request):
+    client = FakeQueryClient(hang={"slow:1"})
+    request.addfinalizer(client.release.set)
+    ans = Answers(request, client)
+    far = time.monotonic() + 30.0
+    ans.batcher.add("slow:1", 1, far)
+    assert client.hanging.wait(WAIT_S)  # its round is in flight, blocked
+    t0 = time.monotonic()
+    for room in (2, 3, 4):
+        ans.batcher.add("fast:1", room, far)
+    got = ans.collect(3, within=1.0)
+    took = time.monotonic() - t0
+    assert took < 1.0, took
+    assert {k: v[0] for k, v in got.items()} == {("fast:1", 2): 0, ("fast:1", 3): 1, ("fast:1", 4): 0}
+    # the hung address keeps its room pending (not waited for) and others keep being served
+    ans.batcher.add("fast:1", 5, far)
+    assert ans.collect(1, within=1.0) == {("fast:1", 5): (1, None, FailureCause.RESOLVE)}
+    assert ans.batcher.pending == {"slow:1": {1: far}}
+    ans.batcher.cancel("slow:1", 1)
+    client.release.set()
+    ans.batcher.close()
+    assert ans.q.empty()  # the cancelled room got no answer

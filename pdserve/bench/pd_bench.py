@@ -1,11 +1,13 @@
 """`pdserve bench pd`: what disaggregation costs at low load, measured side by side in one run.
 
-Starts a colocated server, a prefill server (dp 2, follow_bootstrap_room) and two decode
-servers (one normal, one with FORCE, so it always takes the query path), then sends the
-same 1-token requests one at a time, round-robin over the three setups, for each prompt
-length. With max_new_tokens=1 the end-to-end latency is the TTFT. Prints p50 TTFT of each
-setup, the extra TTFT of PD over colocated next to the pure transfer time and the rest of the
-handoff breakdown, and the query-path cost over the fast path.
+Starts a colocated server, two prefill servers (dp 2: follow_bootstrap_room, and a load-aware
+method, `--balanced-method`, default round_robin) and two decode servers (one normal, one with
+FORCE, so it always takes the query path), then sends the same 1-token requests one at a time,
+round-robin over the four setups, for each prompt length. With max_new_tokens=1 the end-to-end
+latency is the TTFT. Prints p50 TTFT of each setup, the extra TTFT of PD over colocated next to
+the pure transfer time and the rest of the handoff breakdown, the load-aware prefill's TTFT
+(its decode sends the KV request to the room's home rank, which forwards it: no query) and the
+query path's, each over the fast path.
 """
 
 from __future__ import annotations
@@ -90,17 +92,19 @@ def _p50(xs: list[float]) -> float:
     return statistics.median(xs) * 1000
 
 
-async def _run(a, colo: _Proc, pre: _Proc, dec: _Proc, dec_q: _Proc) -> None:
+async def _run(a, colo: _Proc, pre: _Proc, pre_lb: _Proc, dec: _Proc, dec_q: _Proc) -> None:
     async with httpx.AsyncClient(timeout=120) as c:
         print(f"{'prompt':>7} {'colo TTFT':>10} {'PD TTFT':>9} {'extra':>8} {'transfer':>9} "
-              f"{'resolve':>8} {'prealloc':>9} {'KiB':>7} {'GB/s':>6} {'query TTFT':>11} {'query-fast':>11}   (ms, p50)")
+              f"{'resolve':>8} {'prealloc':>9} {'KiB':>7} {'GB/s':>6} {'fwd TTFT':>9} {'fwd-fast':>9} "
+              f"{'query TTFT':>11} {'query-fast':>11}   (ms, p50)")
         for n in a.prompt_lens:
             ids = _prompt_ids(n, n)
             for _ in range(2):  # warm-up: topology caches, connections, allocator
                 await _colocated(c, colo.url, ids)
                 await _pd(c, pre, dec, ids)
                 await _pd(c, pre, dec_q, ids)
-            col, pd, q, meta = [], [], [], []
+                await _pd(c, pre_lb, dec, ids)
+            col, pd, q, fwd, meta = [], [], [], [], []
             for i in range(a.repeats):
                 ids_i = _prompt_ids(n, n * 1000 + i)
                 col.append(await _colocated(c, colo.url, ids_i))
@@ -108,12 +112,16 @@ async def _run(a, colo: _Proc, pre: _Proc, dec: _Proc, dec_q: _Proc) -> None:
                 pd.append(dt)
                 meta.append(m)
                 q.append((await _pd(c, pre, dec_q, ids_i))[0])
+                dt, m = await _pd(c, pre_lb, dec, ids_i)
+                assert m["dp_rank_path"] == "forward", m
+                fwd.append(dt)
             transfer = [m["kv_transfer_s"] for m in meta]
             print(f"{n:>7} {_p50(col):>10.1f} {_p50(pd):>9.1f} {_p50(pd) - _p50(col):>8.1f} "
                   f"{_p50(transfer):>9.2f} {_p50([m['resolve_s'] for m in meta]):>8.2f} "
                   f"{_p50([m.get('prealloc_wait_s', 0.0) for m in meta]):>9.3f} "
                   f"{statistics.median(m['kv_bytes'] for m in meta) / 1024:>7.0f} "
-                  f"{statistics.median(m['kv_gbps'] or 0 for m in meta):>6.2f} {_p50(q):>11.1f} "
+                  f"{statistics.median(m['kv_gbps'] or 0 for m in meta):>6.2f} {_p50(fwd):>9.1f} "
+                  f"{_p50(fwd) - _p50(pd):>9.1f} {_p50(q):>11.1f} "
                   f"{_p50(q) - _p50(pd):>11.1f}")
 
 
@@ -123,20 +131,24 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 512, 2048])
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--balanced-method", default="round_robin", choices=["round_robin", "shortest_queue",
+                                                                       "minimum_tokens"])
     a = p.parse_args(argv)
     from ..core.envs import Envs
     from ..model_files.resolve import resolve_model
 
     model = resolve_model(a.model, Envs.read().cache_dir)
     common = ["--model", model, "--dtype", a.dtype, "--max-total-tokens", "16384", "--num-threads", "1"]
-    procs = [_Proc(["--role", "colocated", *common]), _Proc(["--role", "prefill", "--dp-size", "2", *common])]
+    procs = [_Proc(["--role", "colocated", *common]), _Proc(["--role", "prefill", "--dp-size", "2", *common]),
+             _Proc(["--role", "prefill", "--dp-size", "2", "--load-balance-method", a.balanced_method, *common])]
     procs += [_Proc(["--role", "decode", *common]),
               _Proc(["--role", "decode", "--force-query-prefill-dp-rank", *common])]
     try:
         for x in procs:
             x.wait()
-        print(f"model={model} colocated dp1 | prefill dp2 (follow_bootstrap_room) | decode dp1 fast path "
-              f"and decode dp1 with FORCE (query path); {a.repeats} sequential 1-token requests per length; "
+        print(f"model={model} colocated dp1 | prefill dp2 (follow_bootstrap_room) | prefill dp2 "
+              f"({a.balanced_method}, forwarded KV requests) | decode dp1 fast path and decode dp1 with "
+              f"FORCE (query path); {a.repeats} sequential 1-token requests per length; "
               f"1 torch thread per worker")
         asyncio.run(_run(a, *procs))
     finally:

@@ -1,7 +1,7 @@
 """Typed messages between an HTTP front and its DP worker processes.
 
 Fronts and workers exchange these dataclasses over ZMQ (pickled; see worker/channel.py).
-Front -> worker: GenerateReq, AbortReq, StatsReq, ShutdownReq, RoomFailedNotice.
+Front -> worker: GenerateReq, AbortReq, StatsReq, ShutdownReq, RoomFailedNotice, RoomRoutedNotice.
 Worker -> front: WorkerReady once, then OutputBatch per engine step and WorkerStats on demand.
 """
 
@@ -46,6 +46,16 @@ class RoomFailedNotice:
 
     room: int
     reason: str
+
+
+@dataclass(frozen=True)
+class RoomRoutedNotice:
+    """Prefill front -> the room's home rank (room % dp_size) when the room went to another
+    rank: a decode's KV request reaching the home is forwarded to `rank` at `endpoint`."""
+
+    room: int
+    rank: int
+    endpoint: dict
 
 
 @dataclass(frozen=True)

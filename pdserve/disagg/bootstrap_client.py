@@ -102,10 +102,13 @@ class BootstrapClient:
             time.sleep(_RETRY_PAUSE_S)
 
     # ---- API ----
-    def register_rank(self, addr: str, info: RankInfo, *, deadline_s: float) -> None:
-        """PUT /route, retrying until the service is up or `deadline_s` passed."""
-        self._retrying(f"registering prefill dp_rank {info.dp_rank}", addr, deadline_s,
-                       lambda t: self._json("PUT", addr, "/route", timeout=t, json=info.to_json()))
+    def register_rank(self, addr: str, info: RankInfo, *, deadline_s: float) -> str:
+        """PUT /route, retrying until the service is up or `deadline_s` passed; -> the service's
+        instance id ("" if it sent none)."""
+        body = self._retrying(f"registering prefill dp_rank {info.dp_rank}", addr, deadline_s,
+                              lambda t: self._json("PUT", addr, "/route", timeout=t, json=info.to_json()))
+        instance = body.get("instance_id") if isinstance(body, dict) else None
+        return instance if isinstance(instance, str) else ""
 
     def register_dp_rank(self, addr: str, room: int, rank: int) -> None:
         self._json("POST", addr, "/register_dp_rank", timeout=self.timeout,

@@ -1,4 +1,4 @@
-"""The prefill's bootstrap HTTP service (DESIGN section 3) over a shared BootstrapTable.
+"""The prefill's bootstrap HTTP service (docs/architecture.md, The bootstrap service) over a shared BootstrapTable.
 
 Routes: PUT /route (a DP worker registers), GET /route?prefill_dp_rank=-1|K (topology | one
 rank's endpoint; 503 until every rank registered, or when that rank's worker is gone), POST

@@ -85,6 +85,10 @@ class RankInfo:
     def to_json(self) -> dict:
         return asdict(self)
 
+    def peer(self) -> dict:
+        """This rank's transfer endpoint descriptor (registrations without one name ip and port)."""
+        return self.endpoint or {"backend": self.transfer_backend, "ip": self.rank_ip, "port": self.rank_port}
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -99,6 +103,7 @@ class Topology:
     instance_id: str
     load_balance_method: str = FOLLOW
     transfer_backend: str = "tcp"
+    forwards_kv_requests: bool = False  # a room's home rank passes a KvReq on to its holder
 
     @classmethod
     def from_json(cls, d: object) -> "Topology":
@@ -114,6 +119,7 @@ class Topology:
             instance_id=_field(d, "instance_id", str),
             load_balance_method=_field(d, "load_balance_method", str, FOLLOW),
             transfer_backend=_field(d, "transfer_backend", str, "tcp"),
+            forwards_kv_requests=_field(d, "forwards_kv_requests", bool, False),
         )
 
     def to_json(self) -> dict:
@@ -142,13 +148,14 @@ class BootstrapTable:
 
     def __init__(self, *, dp_size: int | None = None, force_query_dp_rank: bool = False,
                  ttl: float = Envs().room_ttl, clock: Callable[[], float] = time.monotonic,
-                 instance_id: str | None = None):
+                 instance_id: str | None = None, forwards_kv_requests: bool = False):
         if dp_size is not None and dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {dp_size}")
         if ttl <= 0:
             raise ValueError(f"ttl must be > 0, got {ttl}")
         self.dp_size = dp_size
         self.force_query_dp_rank = force_query_dp_rank
+        self.forwards_kv_requests = forwards_kv_requests  # the front tells home ranks (RoomRoutedNotice)
         self.ttl = ttl
         self.instance_id = instance_id or uuid.uuid4().hex
         self._clock = clock
@@ -265,7 +272,7 @@ class BootstrapTable:
                 kv_cache_dtype=first.kv_cache_dtype, follow_bootstrap_room=method == FOLLOW,
                 force_query_dp_rank=self.force_query_dp_rank, fingerprint=first.fingerprint,
                 instance_id=self.instance_id, load_balance_method=method,
-                transfer_backend=first.transfer_backend)
+                transfer_backend=first.transfer_backend, forwards_kv_requests=self.forwards_kv_requests)
 
     def rank(self, k: int) -> RankInfo:
         with self._lock:

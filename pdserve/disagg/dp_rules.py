@@ -1,4 +1,4 @@
-"""The DP-rank rules of DESIGN section 4 as pure functions: which prefill rank takes a PD request,
+"""The DP-rank rules of docs/architecture.md as pure functions: which prefill rank takes a PD request,
 and how a decode worker finds the prefill rank that holds a room. No I/O, no state.
 """
 
@@ -47,7 +47,7 @@ class PrefillDecision:
 def decide_prefill_rank(*, dp_size: int, method: str, room: int, routed_dp_rank: int | None,
                         prefill_dp_rank_hint: int | None, force: bool,
                         balanced_rank: int) -> PrefillDecision:
-    """Apply the prefill table of DESIGN section 4 to one PD request (one room).
+    """Apply the prefill table of docs/architecture.md (DP-rank rules) to one PD request (one room).
 
     `method` is already effective (no `auto`); `balanced_rank` is what the method would pick
     (room % dp_size for follow_bootstrap_room). Bad ranks or a routed/hint mismatch raise BadRequest.
@@ -85,7 +85,8 @@ def decide_prefill_rank(*, dp_size: int, method: str, room: int, routed_dp_rank:
 class Resolution:
     """How a decode worker finds a room's prefill rank.
 
-    `rank` is None when it must query the bootstrap service. `path`: hint | single | fast | query.
+    `rank` is None when it must query the bootstrap service. `path`: hint | single | fast |
+    forward (send to the room's home rank, which passes the request on to the holder) | query.
     """
 
     rank: int | None
@@ -94,7 +95,7 @@ class Resolution:
 
 def resolve_prefill_rank(*, topology: "Topology | None", hint: int | None, room: int,
                          decode_force: bool) -> Resolution:
-    """Steps 2-5 of DESIGN section 4's decode resolution (step 1, fetching `topology`, is the
+    """The decode's resolution order of docs/architecture.md (DP-rank rules) (step 1, fetching `topology`, is the
     caller's; None means it is not known, which leaves only the hint or a query)."""
     check_room(room)
     if hint is not None:
@@ -107,6 +108,10 @@ def resolve_prefill_rank(*, topology: "Topology | None", hint: int | None, room:
         return Resolution(None, "query")
     if topology.dp_size == 1:
         return Resolution(0, "single")
-    if topology.follow_bootstrap_room and not topology.force_query_dp_rank and not decode_force:
+    if decode_force:
+        return Resolution(None, "query")
+    if topology.follow_bootstrap_room and not topology.force_query_dp_rank:
         return Resolution(room % topology.dp_size, "fast")
+    if topology.forwards_kv_requests:
+        return Resolution(room % topology.dp_size, "forward")
     return Resolution(None, "query")

@@ -2,10 +2,10 @@
 
 Prefill: Bootstrapping -> WaitingForInput (the decode's destination metadata arrived)
          -> Transferring (writing KV pages, then aux) -> Success.
-Decode:  Bootstrapping (resolving the prefill rank and topology, preallocating pages)
-         -> WaitingForInput (metadata sent) -> Transferring (bytes/aux announced) -> Success.
-A decode may also go WaitingForInput -> Success: some backends (e.g. mooncake) write straight
-into its memory and the decode only learns of the transfer when the completion arrives.
+Decode:  Bootstrapping (resolving the prefill rank and topology, preallocating pages, sending
+         the KvReq) -> WaitingForInput (KvReq sent) -> Success (KvDone: the pages landed).
+The decode never sees the bytes move (every backend writes straight into its pool and the
+KvDone follows the bytes), so it has no Transferring state.
 
 Failed is reachable from every non-terminal state. Success and Failed are terminal: nothing
 leaves them. "Failed wins": a caller that learns of both a failure and a success in the same
@@ -50,8 +50,8 @@ TRANSITIONS: dict[Side, dict[HandoffState, frozenset[HandoffState]]] = {
     },
     Side.DECODE: {
         S.BOOTSTRAPPING: frozenset({S.WAITING_FOR_INPUT, _F}),
-        S.WAITING_FOR_INPUT: frozenset({S.TRANSFERRING, S.SUCCESS, _F}),
-        S.TRANSFERRING: frozenset({S.SUCCESS, _F}),
+        S.WAITING_FOR_INPUT: frozenset({S.SUCCESS, _F}),
+        S.TRANSFERRING: frozenset(),  # not a decode state
         S.SUCCESS: frozenset(),
         S.FAILED: frozenset(),
     },

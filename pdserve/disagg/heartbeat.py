@@ -1,9 +1,10 @@
 """Decode side: watch the bootstrap /health of every prefill server with rooms in flight.
 
-A server that misses `max_failures` beats in a row is reported through `on_gone(addr, reason)`;
-one that answers with a new instance id (it restarted and lost our rooms) through
-`on_gone(addr, reason, spare_instance=new id)`, and DP ranks whose worker died (its /health
-lists them) through `on_gone(addr, reason, ranks=...)`.
+A server that misses `max_failures` beats in a row is reported through `on_gone(addr, reason)`,
+and DP ranks whose worker died (its /health lists them) through `on_gone(addr, reason,
+ranks=...)`. Every answer is reported through `on_alive(addr, instance_id)`: the receiver knows
+which instance each room was resolved against, so a restart fails exactly the rooms the old
+instance held, however long the decode was idle before it (no instance is remembered here).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ log = logging.getLogger(__name__)
 class Heartbeat:
     def __init__(self, client: BootstrapClient, *, interval: float, max_failures: int,
                  watched: Callable[[], set[str]], on_gone: Callable[..., None],
+                 on_alive: Callable[[str, str], None] = lambda addr, instance: None,
                  gone_ranks: Callable[[str], dict[int, str]] = lambda addr: {}):
         self.client = client
         self.gone_ranks = gone_ranks  # the dead ranks in addr's last /health answer
@@ -27,16 +29,11 @@ class Heartbeat:
         self.max_failures = max(1, max_failures)
         self.watched = watched  # thread-safe snapshot of addresses with rooms in flight
         self.on_gone = on_gone
+        self.on_alive = on_alive
         self.misses: dict[str, int] = {}
-        self.instances: dict[str, str] = {}
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name="pd-heartbeat", daemon=True)
         self.thread.start()
-
-    def note_instance(self, addr: str, instance_id: str) -> None:
-        """The instance id a room was resolved against; a different one later means a restart."""
-        if instance_id:
-            self.instances.setdefault(addr, instance_id)
 
     def _run(self) -> None:
         while not self.stop_event.wait(self.interval):
@@ -64,13 +61,7 @@ class Heartbeat:
                                    f"({self.interval:.1f}s apart): prefill server is gone")
             return
         self.misses[addr] = 0
-        known = self.instances.get(addr)
-        if known and known != inst:
-            self.instances[addr] = inst
-            self.on_gone(addr, f"prefill server at {addr} restarted (instance {known} -> {inst}); "
-                               "its rooms are lost", spare_instance=inst)
-        elif not known:
-            self.instances[addr] = inst
+        self.on_alive(addr, inst)
         gone = self.gone_ranks(addr)
         if gone:
             self.on_gone(addr, "; ".join(f"prefill {addr} dp_rank {rank} is gone: {why}"

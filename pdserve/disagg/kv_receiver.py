@@ -8,10 +8,15 @@ reason naming room, ranks and cause (and a FailureCause); the caller then frees 
 Each room also keeps the wall-clock times of its stages (core.timeline) for the front. A room whose
 kv_req may have reached the prefill is only reported after the prefill answered our kv_abort
 (or `abort_grace` passed): until then a write of its KV could still land in those pages.
+A KvMoved (the rank we addressed forwarded our KvReq) points the room at the holder's rank and
+endpoint. `on_alive(addr, instance)` from the heartbeat fails the rooms resolved against another
+instance of that prefill (it restarted and lost them); rooms still resolving are left to their
+resolution, which sees the new instance.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -20,6 +25,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
+
+import msgspec
 
 from ..core.errors import PDServeError
 from ..core.failures import FailureCause
@@ -81,12 +88,15 @@ class DecodeReceiver:
         self.events.put(("resolved", r))
         self.wake()
 
-    def on_gone(self, addr: str, reason: str, *, ranks: frozenset[int] | None = None,
-                spare_instance: str | None = None) -> None:
+    def on_gone(self, addr: str, reason: str, *, ranks: frozenset[int] | None = None) -> None:
         """Fail the rooms waiting on prefill `addr`: only those resolved to `ranks` when given (their
-        workers died); with `spare_instance` (the prefill restarted) not those already resolved
-        against that live instance."""
-        self.events.put(("gone", (addr, reason, ranks, spare_instance)))
+        workers died)."""
+        self.events.put(("gone", (addr, reason, ranks)))
+        self.wake()
+
+    def on_alive(self, addr: str, instance_id: str) -> None:
+        """Prefill `addr` answered a heartbeat as `instance_id`."""
+        self.events.put(("alive", (addr, instance_id)))
         self.wake()
 
     def watched(self) -> set[str]:
@@ -100,27 +110,37 @@ class DecodeReceiver:
             self._addrs[addr] = self._addrs.get(addr, 0) + 1
         self.resolve(addr, room, hint)
 
-    def on_message(self, sender: dict, msg: dict) -> None:
-        kind = msg.get("t")
-        r = self.rooms.get(msg.get("room"))  # type: ignore[arg-type]
-        if r is None or kind not in (wire.KV_DONE, wire.KV_FAIL):
+    def on_message(self, sender: dict, raw: dict) -> None:
+        r = self.rooms.get(raw.get("room")) if isinstance(raw, dict) else None  # type: ignore[arg-type]
+        if r is None:
+            return
+        try:
+            msg = wire.from_wire(raw)
+        except wire.BadMessage as e:
+            if not r.handoff.done and raw.get("t") == wire.KV_DONE:
+                self._fail(r, f"room {r.room}: prefill {r.addr} sent a bad kv_done: {e}",
+                           FailureCause.TRANSFER, tell_prefill=False)
+            else:
+                log.warning("decode dp_rank %d: %s; ignored", self.dp_rank, e, extra={"room": r.room})
+            return
+        if isinstance(msg, wire.KvMoved):
+            return self._moved(r, msg)
+        if not isinstance(msg, (wire.KvDone, wire.KvFail)):
             return
         if r.handoff.done:
             r.abort_sent_at = None  # the prefill answered our kv_abort: no write can follow
             return
-        if kind == wire.KV_FAIL:
-            self._fail(r, f"room {r.room}: prefill {r.addr} dp_rank {msg.get('prefill_rank')} "
-                          f"failed it: {msg.get('reason')}", FailureCause.parse(msg.get("cause")),
+        self._holder_rank(r, msg.prefill_rank)
+        if isinstance(msg, wire.KvFail):
+            self._fail(r, f"room {r.room}: prefill {r.addr} dp_rank {msg.prefill_rank} "
+                          f"failed it: {msg.reason}", FailureCause.parse(msg.cause),
                        tell_prefill=False)
         elif r.pages is None:
             log.warning("decode dp_rank %d: kv_done for room %d before its kv_req; ignored",
                         self.dp_rank, r.room, extra={"room": r.room})
-        elif not isinstance(msg.get("first_token"), int):
-            self._fail(r, f"room {r.room}: prefill {r.addr} dp_rank {msg.get('prefill_rank')} sent "
-                          f"a kv_done without first_token", FailureCause.TRANSFER, tell_prefill=False)
         else:
-            r.aux = msg
-            r.stages.update(transfer_stages(msg))
+            r.aux = msgspec.structs.asdict(msg)
+            r.stages.update(transfer_stages(r.aux))
             if r.handoff.state is S.BOOTSTRAPPING:  # kv_done overtook our own "sent" event
                 r.handoff.advance(S.WAITING_FOR_INPUT)
             r.handoff.advance(S.SUCCESS)
@@ -185,13 +205,38 @@ class DecodeReceiver:
         elif r.handoff.state is S.BOOTSTRAPPING:
             r.handoff.advance(S.WAITING_FOR_INPUT)
 
-    def _ev_gone(self, data: tuple[str, str, frozenset[int] | None, str | None]) -> None:
-        addr, reason, ranks, spare_instance = data
+    def _moved(self, r: DecodeRoom, msg: wire.KvMoved) -> None:
+        """Our KvReq was forwarded to the rank that holds the room: aborts go there now."""
+        res = r.resolved
+        if res is None or res.info is None or r.handoff.done:
+            return
+        ep = msg.endpoint
+        info = dataclasses.replace(res.info, dp_rank=msg.prefill_rank, endpoint=ep,
+                                   rank_ip=str(ep.get("ip", res.info.rank_ip)),
+                                   rank_port=int(ep.get("port", res.info.rank_port)))
+        r.resolved = dataclasses.replace(res, rank=msg.prefill_rank, info=info)
+
+    def _holder_rank(self, r: DecodeRoom, rank: int | None) -> None:
+        if r.resolved is not None and rank is not None and rank != r.resolved.rank:
+            r.resolved = dataclasses.replace(r.resolved, rank=rank)
+
+    def _ev_alive(self, data: tuple[str, str]) -> None:
+        addr, instance = data
+        for r in self.rooms.values():
+            res = r.resolved
+            if r.addr != addr or res is None or not res.instance_id or res.instance_id == instance:
+                continue
+            r.abort_sent_at = None  # that instance is gone: it writes nothing more
+            if not r.handoff.done:
+                self._fail(r, f"room {r.room} (prefill dp_rank {res.rank}): prefill server at {addr} "
+                              f"restarted (instance {res.instance_id} -> {instance}); its rooms are lost",
+                           FailureCause.PEER_GONE, tell_prefill=False)
+
+    def _ev_gone(self, data: tuple[str, str, frozenset[int] | None]) -> None:
+        addr, reason, ranks = data
         for r in self.rooms.values():
             res = r.resolved
             if r.addr != addr or (ranks is not None and (res is None or res.rank not in ranks)):
-                continue
-            if spare_instance is not None and res is not None and res.instance_id == spare_instance:
                 continue
             r.abort_sent_at = None  # a gone prefill writes nothing more
             if not r.handoff.done:
@@ -205,7 +250,7 @@ class DecodeReceiver:
                 pages = self.reserve(r.rid, r.prompt_len)
             except PDServeError as e:
                 return self._fail(r, f"room {r.room}: decode dp_rank {self.dp_rank} cannot reserve "
-                                     f"pages: {e.message}", FailureCause.NO_PAGES, tell_prefill=False)
+                                     f"pages: {e.message}", FailureCause.NO_PAGES)
             if pages is not None:
                 r.pages, r.reserved_at = pages, now
                 r.stages[Stage.PREALLOCATION.value] = time.time()
@@ -220,19 +265,18 @@ class DecodeReceiver:
     @staticmethod
     def _peer(res: Resolved) -> dict:
         """The prefill rank's transfer endpoint descriptor."""
-        info = res.info
-        assert info is not None
-        return info.endpoint or {"backend": info.transfer_backend, "ip": info.rank_ip,
-                                 "port": info.rank_port}
+        assert res.info is not None
+        return res.info.peer()
 
     def _send_req(self, room: int, res: Resolved, pages: list[int], prompt_len: int) -> None:
         """Runs on a pool thread; reports a "sent" event exactly once."""
         sent_at = time.time()  # before the send: the prefill cannot see the kv_req earlier
         try:
-            msg = {"t": wire.KV_REQ, "room": room, "dst_pages": pages, "prompt_len": prompt_len,
-                   "decode_rank": self.dp_rank, **{k: self.local[k] for k in
-                   ("layout", "endpoint", "page_size", "kv_dtype", "fingerprint", "backend")}}
-            self.backend.send(self._peer(res), msg)
+            msg = wire.KvReq(room=room, dst_pages=pages, prompt_len=prompt_len, decode_rank=self.dp_rank,
+                             prefill_rank=res.rank, prefill_instance=res.instance_id,
+                             **{k: self.local[k] for k in
+                                ("layout", "endpoint", "page_size", "kv_dtype", "fingerprint", "backend")})
+            self.backend.send(self._peer(res), wire.to_wire(msg))
             err = None
         except Exception as e:  # noqa: BLE001 - any failure must still finish the room
             if not isinstance(e, (TransferError, OSError)):
@@ -248,13 +292,19 @@ class DecodeReceiver:
             return
         r.cause = cause
         self.cancel_resolve(r.addr, r.room)
-        if tell_prefill and r.pages is not None and r.resolved is not None and r.resolved.info:
-            msg = {"t": wire.KV_ABORT, "room": r.room, "reason": reason, "decode_rank": self.dp_rank}
-            try:
+        if not tell_prefill:
+            return
+        try:
+            if r.resolved is not None and r.resolved.info:
+                msg = wire.to_wire(wire.KvAbort(room=r.room, reason=reason, decode_rank=self.dp_rank,
+                                                endpoint=self.local["endpoint"]))
                 self.pool.submit(self._quiet_send, self._peer(r.resolved), msg)
-                r.abort_sent_at = time.monotonic() if now is None else now
-            except RuntimeError:  # closed
-                pass
+                if r.pages is not None:  # a write may still land until the prefill answers
+                    r.abort_sent_at = time.monotonic() if now is None else now
+            else:  # no rank yet: the bootstrap service frees the prefill's pages at once
+                self.pool.submit(self.give_up, r.addr, r.room, reason)
+        except RuntimeError:  # closed
+            pass
 
     def _quiet_send(self, peer: dict, msg: dict) -> None:
         try:

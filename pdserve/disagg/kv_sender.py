@@ -1,15 +1,23 @@
 """Prefill side of the handoff: one PrefillRoom per room, driven by the worker loop.
 
-Events in: accept() when the prefill request arrives, on_message() for the decode's kv_req /
-kv_abort, prefill_done() when the engine finished the prompt (its pages now hold the KV),
-fail() on abort, mark_failed() for rooms the front rejected. poll() returns finished rooms.
+Events in: accept() when the prefill request arrives, on_message() for the decode's KvReq /
+KvAbort (wire.py), prefill_done() when the engine finished the prompt (its pages now hold the
+KV), fail() on abort, mark_failed() for rooms the front rejected, room_routed() when the front
+sent a room whose home is this rank (room % dp_size) to another rank. poll() returns finished
+rooms.
 Page writes and sends run on a background thread; every state change happens on the loop's
 thread. A room's pages are returned (via poll) only once no write can still read them, and
 the decode hears kv_fail only once no write can still land in its pages. Rooms doomed before
 their request arrives (front rejected, decode aborted, incompatible kv_req) are remembered for
 `failed_ttl`, so a late request or kv_req for them fails at once instead of timing out.
-Every failure carries a FailureCause (also sent in kv_fail); each room keeps the wall-clock
+Every failure carries a FailureCause (also sent in KvFail); each room keeps the wall-clock
 times of its stages (core.timeline) for the front.
+
+Forwarding: a decode that cannot know which rank holds its room (a load-aware prefill method, or
+FORCE routing) sends its KvReq to the room's home rank; the home forwards it, and any KvAbort
+after it, to the holder, and tells the decode the holder's rank and endpoint (KvMoved). A KvReq
+that names another bootstrap instance than this server's (the prefill restarted since the decode
+resolved) is refused at once.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import msgspec
 
 from ..core.failures import FailureCause, rejection_cause
 from ..core.log_format import fields
@@ -39,7 +49,7 @@ class PrefillRoom:
     rid: str
     prompt_len: int
     handoff: Handoff
-    req: dict | None = None  # the decode's kv_req
+    req: wire.KvReq | None = None  # the decode's
     peer: dict | None = None
     pages: list[int] | None = None  # set when the prefill finished
     aux: dict | None = None
@@ -47,6 +57,14 @@ class PrefillRoom:
     result: dict = field(default_factory=dict)  # bytes, timings of the write
     cause: FailureCause = FailureCause.INTERNAL  # set with the first failure
     stages: dict[str, float] = field(default_factory=dict)  # Stage value -> time.time()
+
+
+_DONE_FIELDS = ("first_token", "first_logprob", "input_logprobs", "prompt_len", "cached_tokens")
+
+
+def _done_fields(aux: dict) -> dict:
+    """The KvDone fields of the engine's facts about a finished prefill."""
+    return {k: aux[k] for k in _DONE_FIELDS if aux.get(k) is not None}
 
 
 class Doomed(NamedTuple):
@@ -57,18 +75,36 @@ class Doomed(NamedTuple):
     cause: FailureCause
 
 
+class Route(NamedTuple):
+    """Where the front sent a room whose home is this rank."""
+
+    rank: int
+    endpoint: dict
+    since: float
+
+
+class Forwarded(NamedTuple):
+    """A KvReq this rank passed on to the holder; later aborts for the room follow it."""
+
+    holder: dict
+    since: float
+
+
 class PrefillSender:
     def __init__(self, backend: TransferBackend, dp_rank: int, local: dict, *,
                  bootstrap_timeout: float, failed_ttl: float = 600.0, threads: int = 2,
-                 wake=lambda: None):
+                 wake=lambda: None, instance_id: str = ""):
         self.backend = backend
         self.dp_rank = dp_rank
         self.local = local  # page_size, kv_dtype, fingerprint, backend
         self.bootstrap_timeout = bootstrap_timeout
         self.failed_ttl = failed_ttl
         self.rooms: dict[int, PrefillRoom] = {}
-        self.early: dict[int, tuple[dict, dict, float]] = {}  # kv_req before the request
+        self.early: dict[int, tuple[dict, wire.KvReq, float]] = {}  # KvReq before the request
         self.failed: dict[int, Doomed] = {}
+        self.routes: dict[int, Route] = {}  # rooms homed here that the front sent elsewhere
+        self.forwarded: dict[int, Forwarded] = {}
+        self.instance_id = instance_id  # this server's bootstrap instance ("" = do not check)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kv-send-{dp_rank}")
         self.jobs: queue.Queue = queue.Queue()
         self.done: list[HandoffDone] = []
@@ -125,33 +161,69 @@ class PrefillSender:
         self._send_later(peer, self._kv_fail(room, reason, cause))
 
     def _kv_fail(self, room: int, reason: str, cause: FailureCause) -> dict:
-        return {"t": wire.KV_FAIL, "room": room, "prefill_rank": self.dp_rank, "reason": reason,
-                "cause": cause.value}
+        return wire.to_wire(wire.KvFail(room=room, prefill_rank=self.dp_rank, reason=reason,
+                                        cause=cause.value))
 
-    def on_message(self, sender: dict, msg: dict) -> None:
-        kind, room = msg.get("t"), msg.get("room")
-        if not isinstance(room, int):
-            log.warning("prefill dp_rank %d: control message without room from %s", self.dp_rank,
-                        peer_name(sender))
+    def on_message(self, sender: dict, raw: dict) -> None:
+        try:
+            msg = wire.from_wire(raw)
+        except wire.BadMessage as e:
+            log.warning("prefill dp_rank %d: %s from %s; ignored", self.dp_rank, e, peer_name(sender))
             return
-        if kind == wire.KV_REQ:
-            self._on_kv_req(room, msg)
-        elif kind == wire.KV_ABORT:
-            self._on_kv_abort(sender, room, msg)
+        if isinstance(msg, wire.KvReq):
+            self._on_kv_req(msg)
+        elif isinstance(msg, wire.KvAbort):
+            self._on_kv_abort(sender, msg)
 
-    def _on_kv_req(self, room: int, msg: dict) -> None:
-        peer = msg.get("endpoint")
-        if not isinstance(peer, dict):
-            log.warning("prefill dp_rank %d: kv_req for room %d without an endpoint", self.dp_rank, room,
-                        extra={"room": room})
-            return
+    def room_routed(self, room: int, rank: int, endpoint: dict) -> None:
+        """The front sent `room` (homed here) to `rank`: a KvReq for it here goes on there."""
+        self.routes[room] = Route(rank, endpoint, time.monotonic())
+        if room in self.early and room not in self.rooms:
+            peer, req, _ = self.early.pop(room)
+            self._forward(req, self.routes[room])
+        elif room in self.failed:  # its decode gave up here already: the holder must free it too
+            abort = wire.to_wire(wire.KvAbort(room=room, reason=self.failed[room].reason))
+            self._submit(lambda: self._quiet_send(endpoint, abort), room)
+
+    def _forward(self, req: wire.KvReq, route: Route) -> None:
+        """Pass the decode's KvReq to the holder and tell the decode where it went (both on a
+        pool thread); if the holder cannot be reached the decode hears KvFail from here."""
+        room = req.room
+        self.forwarded[room] = Forwarded(route.endpoint, time.monotonic())
+        fwd = wire.to_wire(msgspec.structs.replace(req, forwarded_by=self.dp_rank))
+        moved = wire.to_wire(wire.KvMoved(room=room, prefill_rank=route.rank, endpoint=route.endpoint))
+
+        def job():
+            try:
+                self.backend.send(route.endpoint, fwd)
+            except (TransferError, OSError) as e:
+                why = (f"room {room}: prefill dp_rank {self.dp_rank} could not forward the KV "
+                       f"request to dp_rank {route.rank} that holds the room: {e}")
+                self._quiet_send(req.endpoint, self._kv_fail(room, why, FailureCause.TRANSFER))
+                return
+            self._quiet_send(req.endpoint, moved)
+        self._submit(job, room)
+
+    def _on_kv_req(self, msg: wire.KvReq) -> None:
+        room, peer = msg.room, msg.endpoint
         r = self.rooms.get(room)
         if r is not None and r.handoff.state is not S.BOOTSTRAPPING:
-            return  # a duplicate: this room already has its decode (or failed)
+            if r.handoff.state is S.FAILED and r.peer is None:  # failed before its decode spoke
+                r.peer = peer
+                if not r.job_running:
+                    self._tell_failed(r)
+            return  # else a duplicate: this room already has its decode
+        if r is None and room in self.routes and msg.forwarded_by is None:
+            return self._forward(msg, self.routes[room])
         problem, cause = wire.compat_problem(self.local, msg), FailureCause.INCOMPATIBLE
         if problem is not None:
-            problem = (f"room {room}: decode dp_rank {msg.get('decode_rank')} cannot use prefill "
+            problem = (f"room {room}: decode dp_rank {msg.decode_rank} cannot use prefill "
                        f"dp_rank {self.dp_rank}: {problem}")
+        elif self.instance_id and msg.prefill_instance and msg.prefill_instance != self.instance_id:
+            problem, cause = (f"room {room}: the decode resolved prefill dp_rank {self.dp_rank} on "
+                              f"bootstrap instance {msg.prefill_instance}, but this server is instance "
+                              f"{self.instance_id}: the prefill restarted and lost the room"), \
+                FailureCause.PEER_GONE
         elif room in self.failed:
             problem, _, cause = self.failed[room]
         if problem is not None:
@@ -167,12 +239,19 @@ class PrefillSender:
         else:
             self._attach(r, peer, msg)
 
-    def _on_kv_abort(self, sender: dict, room: int, msg: dict) -> None:
-        """Fail the room and always answer (kv_done or kv_fail): the decode keeps its pages until
+    def _on_kv_abort(self, sender: dict, msg: wire.KvAbort) -> None:
+        """Fail the room and always answer (KvDone or KvFail): the decode keeps its pages until
         it knows no write of ours can still land in them."""
-        reason = (f"room {room}: decode dp_rank {msg.get('decode_rank')} aborted it: "
-                  f"{msg.get('reason', '')}")
+        room = msg.room
+        sender = msg.endpoint or sender  # a forwarded abort comes from the home rank
+        reason = f"room {room}: decode dp_rank {msg.decode_rank} aborted it: {msg.reason}"
         r = self.rooms.get(room)
+        holder = self.forwarded[room].holder if room in self.forwarded else (
+            self.routes[room].endpoint if room in self.routes else None)
+        if r is None and holder is not None:  # the holder answers the decode
+            fwd = wire.to_wire(msgspec.structs.replace(msg, endpoint=sender))
+            self._submit(lambda: self._quiet_send(holder, fwd), room)
+            return
         if r is None:
             peer = self.early[room][0] if room in self.early else sender
             self.early.pop(room, None)
@@ -185,11 +264,11 @@ class PrefillSender:
             self._send_later(r.peer or sender, self._kv_fail(room, r.handoff.reason or reason, r.cause))
 
     # ---- progress ----------------------------------------------------------------------------
-    def _attach(self, r: PrefillRoom, peer: dict, req: dict) -> None:
+    def _attach(self, r: PrefillRoom, peer: dict, req: wire.KvReq) -> None:
         need = -(-r.prompt_len // self.local["page_size"])
-        if len(req.get("dst_pages") or []) != need or req.get("prompt_len") != r.prompt_len:
-            reason = (f"room {r.room}: decode sent {len(req.get('dst_pages') or [])} pages for "
-                      f"{req.get('prompt_len')} tokens, prefill has {r.prompt_len} tokens "
+        if len(req.dst_pages) != need or req.prompt_len != r.prompt_len:
+            reason = (f"room {r.room}: decode sent {len(req.dst_pages)} pages for "
+                      f"{req.prompt_len} tokens, prefill has {r.prompt_len} tokens "
                       f"({need} pages): the two legs got different prompts")
             r.peer = peer
             self._fail(r, reason, FailureCause.INCOMPATIBLE)
@@ -206,16 +285,16 @@ class PrefillSender:
         r.job_running = True
         self.pool.submit(self._transfer_job, r.room, r.peer, r.req, list(r.pages), dict(r.aux or {}))
 
-    def _transfer_job(self, room: int, peer: dict, req: dict, pages: list[int], aux: dict) -> None:
+    def _transfer_job(self, room: int, peer: dict, req: wire.KvReq, pages: list[int], aux: dict) -> None:
         """Runs on a pool thread; whatever happens, it reports to `jobs` exactly once."""
         try:
-            dst = req["dst_pages"]
-            res = self.backend.write_pages(peer, req["layout"], pages[:len(dst)], dst)
+            dst = req.dst_pages
+            res = self.backend.write_pages(peer, req.layout, pages[:len(dst)], dst)
             info = {"bytes": res.bytes, "transfer_s": res.seconds, "started_at": res.started_at,
                     "finished_at": res.finished_at, "writes": res.num_writes}
             log.debug("kv write", extra=fields(room=room, **info))
-            self.backend.send(peer, {"t": wire.KV_DONE, "room": room, "prefill_rank": self.dp_rank,
-                                     **aux, **info})
+            done = wire.KvDone(room=room, prefill_rank=self.dp_rank, **_done_fields(aux), **info)
+            self.backend.send(peer, wire.to_wire(done))
             self.jobs.put((room, None, info))
         except Exception as e:  # noqa: BLE001 - any failure must still finish the room
             if not isinstance(e, (TransferError, OSError)):
@@ -226,17 +305,21 @@ class PrefillSender:
         self.wake()
 
     def _send_later(self, peer: dict, msg: dict) -> None:
-        def job():
-            try:
-                self.backend.send(peer, msg)
-            except (TransferError, OSError) as e:
-                log.info("prefill dp_rank %d: could not tell %s about room %s: %s", self.dp_rank,
-                         peer_name(peer), msg.get("room"), e, extra={"room": msg.get("room")})
+        self._submit(lambda: self._quiet_send(peer, msg), msg.get("room"))
+
+    def _quiet_send(self, peer: dict, msg: dict) -> None:
+        try:
+            self.backend.send(peer, msg)
+        except (TransferError, OSError) as e:
+            log.info("prefill dp_rank %d: could not tell %s about room %s: %s", self.dp_rank,
+                     peer_name(peer), msg.get("room"), e, extra={"room": msg.get("room")})
+
+    def _submit(self, job, room) -> None:
         try:
             self.pool.submit(job)
         except RuntimeError:  # closed
-            log.info("prefill dp_rank %d closed: room %s not told", self.dp_rank, msg.get("room"),
-                     extra={"room": msg.get("room")})
+            log.info("prefill dp_rank %d closed: room %s not told", self.dp_rank, room,
+                     extra={"room": room})
 
     def _fail(self, r: PrefillRoom, reason: str, cause: FailureCause) -> None:
         if r.handoff.fail(reason):
@@ -295,8 +378,10 @@ class PrefillSender:
     def _meta(self, r: PrefillRoom) -> dict:
         d = {f"prefill_{k}_s": v for k, v in r.handoff.durations().items()}
         d.update({"bootstrap_room": r.room, "prefill_dp_rank": self.dp_rank})
-        if r.req is not None and r.req.get("decode_rank") is not None:
-            d["decode_dp_rank"] = r.req["decode_rank"]
+        if r.req is not None:
+            d["decode_dp_rank"] = r.req.decode_rank
+            if r.req.forwarded_by is not None:
+                d["kv_req_forwarded_by"] = r.req.forwarded_by
         if r.handoff.state is S.FAILED:
             d["failure_cause"] = r.cause.value
         if r.result:
@@ -315,6 +400,10 @@ class PrefillSender:
         for room, doomed in list(self.failed.items()):
             if now - doomed.since > self.failed_ttl:
                 del self.failed[room]
+        for table in (self.routes, self.forwarded):
+            for room, entry in list(table.items()):
+                if now - entry.since > self.bootstrap_timeout:
+                    del table[room]
 
     def inflight(self) -> int:
         return len(self.rooms)

@@ -1,28 +1,106 @@
-"""Control messages between a decode worker and a prefill worker, over the transfer backend.
+"""The control messages between a decode worker and a prefill worker, as typed structs.
 
-decode -> prefill  kv_req   {room, dst_pages, prompt_len, layout, endpoint, page_size,
-                             kv_dtype, fingerprint, backend, decode_rank}
-decode -> prefill  kv_abort {room, reason, decode_rank}
-prefill -> decode  kv_done  {room, prefill_rank, first_token, first_logprob, input_logprobs,
-                             bytes, transfer_s, started_at, finished_at}
-prefill -> decode  kv_fail  {room, prefill_rank, reason}
-The kv_done of a room is sent after its page writes, so it arrives after the pages landed.
-A prefill answers every kv_abort with kv_done or kv_fail, and sends kv_fail only once no
-write of that room can still land: until then the decode keeps the room's pages.
+decode -> prefill  KvReq    where to write a room's KV (pages, layout, endpoint) and the facts
+                            both sides must agree on (page size, dtype, model, backend)
+decode -> prefill  KvAbort  the decode gave the room up
+prefill -> decode  KvDone   the pages landed; the prefill's first token and transfer facts
+prefill -> decode  KvFail   the room failed on the prefill, with a reason and a FailureCause
+prefill -> decode  KvMoved  the worker the decode addressed forwarded its KvReq to the rank that
+                            holds the room (zero-round-trip rendezvous for any DP method)
+On the transfer backend they travel as msgpack maps tagged by "t" (`to_wire` / `from_wire`).
+The KvDone of a room is sent after its page writes, so it arrives after the pages landed. A
+prefill answers every KvAbort with KvDone or KvFail, and sends KvFail only once no write of
+that room can still land: until then the decode keeps the room's pages.
 """
 
 from __future__ import annotations
+
+from typing import Union
+
+import msgspec
 
 KV_REQ = "kv_req"
 KV_ABORT = "kv_abort"
 KV_DONE = "kv_done"
 KV_FAIL = "kv_fail"
+KV_MOVED = "kv_moved"
 
 
-def compat_problem(local: dict, remote: dict) -> str | None:
-    """Why a decode's kv_req cannot be served by this prefill worker, or None.
-    Both dicts hold page_size, kv_dtype, fingerprint and backend."""
+class _Msg(msgspec.Struct, tag_field="t", kw_only=True, omit_defaults=True):
+    room: int
+
+
+class KvReq(_Msg, tag=KV_REQ):
+    dst_pages: list[int]
+    prompt_len: int
+    layout: dict
+    endpoint: dict  # the decode worker's transfer endpoint: every answer goes there
+    page_size: int
+    kv_dtype: str
+    fingerprint: dict
+    backend: str
+    decode_rank: int
+    prefill_rank: int | None = None  # the rank the decode addressed
+    prefill_instance: str = ""  # the bootstrap instance it resolved against ("" = not known)
+    forwarded_by: int | None = None  # set by the rank that forwarded it to the holder
+
+
+class KvAbort(_Msg, tag=KV_ABORT):
+    reason: str = ""
+    decode_rank: int | None = None
+    endpoint: dict | None = None  # the decode's endpoint (a forwarded abort has another sender)
+
+
+class KvDone(_Msg, tag=KV_DONE):
+    prefill_rank: int
+    first_token: int
+    first_logprob: float | None = None
+    input_logprobs: list[float | None] | None = None
+    prompt_len: int | None = None
+    cached_tokens: int = 0
+    bytes: int = 0
+    transfer_s: float = 0.0
+    started_at: float | None = None
+    finished_at: float | None = None
+    writes: int = 0
+
+
+class KvFail(_Msg, tag=KV_FAIL):
+    prefill_rank: int | None = None
+    reason: str = ""
+    cause: str = "internal"
+
+
+class KvMoved(_Msg, tag=KV_MOVED):
+    prefill_rank: int  # the rank that holds the room
+    endpoint: dict  # its transfer endpoint: later aborts go straight there
+
+
+Message = Union[KvReq, KvAbort, KvDone, KvFail, KvMoved]
+
+
+class BadMessage(ValueError):
+    """A control message that is not one of ours or has a field of the wrong type."""
+
+
+def to_wire(msg: Message) -> dict:
+    return msgspec.to_builtins(msg)
+
+
+def from_wire(d: object) -> Message:
+    """The typed message of a received map; BadMessage naming what is wrong."""
+    try:
+        return msgspec.convert(d, Message)
+    except msgspec.ValidationError as e:
+        kind = d.get("t") if isinstance(d, dict) else type(d).__name__
+        room = d.get("room") if isinstance(d, dict) else None
+        raise BadMessage(f"malformed {kind!r} control message for room {room}: {e}") from None
+
+
+def compat_problem(local: dict, req: KvReq) -> str | None:
+    """Why a decode's KvReq cannot be served by this prefill worker, or None. `local` holds
+    page_size, kv_dtype, fingerprint and backend."""
     for key in ("backend", "page_size", "kv_dtype", "fingerprint"):
-        if local.get(key) != remote.get(key):
-            return (f"{key} mismatch: prefill has {local.get(key)!r}, decode has {remote.get(key)!r}")
+        if local.get(key) != getattr(req, key):
+            return f"{key} mismatch: prefill has {local.get(key)!r}, decode has {getattr(req, key)!r}"
     return None

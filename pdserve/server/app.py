@@ -1,4 +1,4 @@
-"""The FastAPI app of a server front: the routes of DESIGN section 3 over one `Front`.
+"""The FastAPI app of a server front: the HTTP routes of docs/architecture.md over one `Front`.
 
 The app's lifespan starts the front (workers, role) and stops it on shutdown. Every error
 leaves as JSON {"error": {"message", "type", "code"}}; nothing escapes as a crash.

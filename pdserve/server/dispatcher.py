@@ -1,6 +1,6 @@
 """DP dispatcher: picks which data-parallel worker rank takes a request item.
 
-Methods (DESIGN section 4): round_robin, shortest_queue (fewest requests in flight),
+Methods (docs/architecture.md, DP-rank rules): round_robin, shortest_queue (fewest requests in flight),
 minimum_tokens (fewest prompt + max_new tokens in flight, less the prompt tokens the rank's
 prefix cache already held once its worker says so), follow_bootstrap_room
 (room % dp_size; round_robin without a room). `auto` is resolved by the server role before

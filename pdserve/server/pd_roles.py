@@ -1,4 +1,4 @@
-"""The prefill and decode roles of a server front (DESIGN sections 2-4).
+"""The prefill and decode roles of a server front (docs/architecture.md: life of one PD request, DP-rank rules).
 
 Prefill: runs the bootstrap service and applies the prefill DP-rank rules where the rank is
 chosen: every PD room is recorded in the bootstrap table; a follow_bootstrap_room conflict is
@@ -13,8 +13,8 @@ import logging
 
 from ..core.config import Role, ServerConfig
 from ..core.envs import Envs
-from ..core.errors import BadRequest
-from ..core.messages import PDParams, RoomFailedNotice
+from ..core.errors import BadRequest, PDServeError
+from ..core.messages import PDParams, RoomFailedNotice, RoomRoutedNotice
 from ..disagg.bootstrap_server import start_bootstrap_server
 from ..disagg.bootstrap_table import BootstrapTable
 from ..core.pd_vocab import MAX_ROOM, check_room
@@ -72,7 +72,7 @@ class PrefillFrontRole(FrontRole):
         self.force = cfg.force_query_prefill_dp_rank or envs.force_query_prefill_dp_rank
         self.token = cfg.bootstrap_token or envs.bootstrap_token  # guards PUT /route, /register_dp_rank
         self.table = BootstrapTable(dp_size=cfg.dp_size, force_query_dp_rank=self.force,
-                                    ttl=envs.room_ttl)
+                                    ttl=envs.room_ttl, forwards_kv_requests=True)
         self.bootstrap = None
         self.notify = lambda rank, msg: False
         self.claims: dict[int, tuple[str, int]] = {}  # room -> (rid, dp_rank) of items in flight
@@ -109,8 +109,19 @@ class PrefillFrontRole(FrontRole):
             raise RoomRefused(room, d.failed_reason)
         if d.record:
             self.table.record(room, d.rank)
+        if d.rank != room % dp:  # a decode that cannot know the rank sends its KV request there
+            self._tell_home(room, d.rank)
         self.claims[room] = (item.rid, d.rank)
         return Dispatch(d.rank, d.path, pd)
+
+    def _tell_home(self, room: int, rank: int) -> None:
+        try:
+            endpoint = self.table.rank(rank).peer()
+        except PDServeError as e:  # not registered or gone: the request to it fails on its own
+            log.warning("room %d: cannot tell dp_rank %d where it went: %s", room, room % self.cfg.dp_size,
+                        e.message)
+            return
+        self.notify(room % self.cfg.dp_size, RoomRoutedNotice(room, rank, endpoint))
 
     def rejected(self, items: list[RequestItem], error: BaseException) -> None:
         """A refused request fails the rooms of its items everywhere a decode may look, so their

@@ -38,17 +38,14 @@ class DecodeRole(WorkerRole):
         self.resolver = RankResolver(
             self.client, decode_force=cfg.force_query_prefill_dp_rank or envs.force_query_prefill_dp_rank,
             topology_timeout=envs.topology_timeout, query_timeout=envs.dp_rank_query_timeout,
-            on_result=self._on_resolved, revalidate_after=envs.heartbeat_interval)
+            on_result=self.receiver.on_resolved, revalidate_after=envs.heartbeat_interval)
         self.heartbeat = Heartbeat(self.client, interval=envs.heartbeat_interval,
                                    max_failures=envs.heartbeat_max_failure,
                                    watched=self.receiver.watched, on_gone=self.receiver.on_gone,
+                                   on_alive=self.receiver.on_alive,
                                    gone_ranks=self.client.gone_ranks)
         self.pump = MessagePump(self.backend, self.ctx.wake)
         return {"transfer_endpoint": self.local["endpoint"]}
-
-    def _on_resolved(self, res) -> None:
-        self.heartbeat.note_instance(res.addr, res.instance_id)  # a restart after this is noticed
-        self.receiver.on_resolved(res)
 
     def _give_up(self, addr: str, room: int, reason: str) -> None:
         """Best effort (receiver thread): without it the prefill keeps the room to its deadline."""

@@ -38,8 +38,9 @@ class PrefillRole(WorkerRole):
                         transfer_backend=cfg.transfer_backend)
         token = cfg.bootstrap_token or self.ctx.envs.bootstrap_token
         with BootstrapClient(timeout=5.0, token=token) as client:
-            client.register_rank(bootstrap_addr("127.0.0.1", cfg.bootstrap_port), info,
-                                 deadline_s=REGISTER_DEADLINE_S)
+            # a KV request naming another instance was resolved before a restart: refused at once
+            self.sender.instance_id = client.register_rank(
+                bootstrap_addr("127.0.0.1", cfg.bootstrap_port), info, deadline_s=REGISTER_DEADLINE_S)
         return {"transfer_endpoint": ep}
 
     def on_generate(self, req: GenerateReq) -> list[TokenOutput]:
@@ -87,6 +88,9 @@ class PrefillRole(WorkerRole):
     def on_room_failed(self, room: int, reason: str) -> None:
         self.sender.mark_failed(room, reason)
 
+    def on_room_routed(self, room: int, rank: int, endpoint: dict) -> None:
+        self.sender.room_routed(room, rank, endpoint)
+
     def poll(self) -> list[TokenOutput]:
         for sender, msg in self.pump.drain():
             self.sender.on_message(sender, msg)
@@ -107,7 +111,8 @@ class PrefillRole(WorkerRole):
 
     def stats_extra(self) -> dict:
         return {"preallocated_requests": self.sender.holding(), "handoff_states": self.sender.states(),
-                "early_kv_reqs": len(self.sender.early), "doomed_rooms": len(self.sender.failed)}
+                "early_kv_reqs": len(self.sender.early), "doomed_rooms": len(self.sender.failed),
+                "forwarded_kv_reqs": len(self.sender.forwarded)}
 
     def close(self) -> None:
         self.pump.close()
