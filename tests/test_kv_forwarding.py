@@ -21,10 +21,10 @@ from pdserve.disagg.kv_sender import PrefillSender
 from pdserve.disagg.rank_resolver import Resolved
 from pdserve.transfer.base import layout_to_dict
 from pdserve.transfer.fake import FakeBackend, FakeFabric
-from tests.test_kv_sender import (AUX, FP, PAGE_SIZE, PROMPT, SRC, PagePool, make_memory, pages_of,
-                                  poll_until, pump)
+from handoff_harness import (AUX, FP, PAGE_SIZE, PROMPT, SRC, PagePool, make_memory, pages_of, poll_until,
+                             pump)
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]
 S = HandoffState
 ADDR = "127.0.0.1:8998"
 ROOM = 10  # home: rank 0 of 2

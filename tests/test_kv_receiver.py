@@ -1,4 +1,4 @@
-"""DecodeReceiver step by step against a PrefillSender (harness in test_kv_sender.py), plus the
+"""DecodeReceiver step by step against a PrefillSender (tests/handoff_harness.py), plus the
 Heartbeat that fails a gone prefill's rooms and one full handoff through the real RankResolver
 and a ThreadedBootstrap on 127.0.0.1."""
 
@@ -15,11 +15,10 @@ from pdserve.disagg.bootstrap_table import BootstrapTable, RankInfo
 from pdserve.disagg.handoff import HandoffState
 from pdserve.disagg.heartbeat import Heartbeat
 from pdserve.disagg.rank_resolver import RankResolver
-from test_kv_sender import (ADDR, AUX, FP, PAGE_SIZE, PROMPT, ROOM, SRC, WAIT_S, Link, assert_idle,
-                            assert_pages_landed, make_link, pump)
-from test_kv_sender import no_stray_threads  # noqa: F401  (autouse fixture, applies here too)
+from handoff_harness import (ADDR, AUX, FP, PAGE_SIZE, PROMPT, ROOM, SRC, WAIT_S, Link, assert_idle,
+                             assert_pages_landed, make_link, pump)
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]
 
 S = HandoffState
 ADDR_B = "127.0.0.2:8998"

@@ -18,10 +18,9 @@ from pdserve.disagg.handoff import HandoffState
 from pdserve.disagg.heartbeat import Heartbeat
 from pdserve.disagg.rank_resolver import Resolved
 from pdserve.transfer.tcp import TcpBackend
-from test_kv_sender import ADDR, Link, make_link
-from test_kv_sender import no_stray_threads  # noqa: F401  (autouse fixture, applies here too)
+from handoff_harness import ADDR, Link, make_link
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]
 S = HandoffState
 
 

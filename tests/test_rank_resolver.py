@@ -19,10 +19,9 @@ from pdserve.disagg.bootstrap_server import ThreadedBootstrap
 from pdserve.disagg.bootstrap_table import BootstrapTable, RankInfo
 from pdserve.disagg.dp_rules import conflict_message
 from pdserve.disagg.rank_resolver import QueryBatcher, RankResolver, Resolved
-from test_kv_sender import WAIT_S
-from test_kv_sender import no_stray_threads  # noqa: F401  (autouse fixture, applies here too)
+from handoff_harness import WAIT_S
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]
 
 FP = {"architecture": "LlamaForCausalLM", "num_layers": 2, "num_kv_heads": 2, "head_dim": 4}
 
