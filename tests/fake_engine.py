@@ -228,6 +228,11 @@ class FakeEngine:
             self.held[rid] = pages
         return pages
 
+    def reserve_prompt(self, rid: str, prompt_ids: list[int]) -> tuple[list[int], int, str] | None:
+        """As Engine.reserve_prompt, with no prefix cache: nothing is ever reused."""
+        pages = self.reserve(rid, len(prompt_ids))
+        return None if pages is None else (pages, 0, "")
+
     def release(self, rid: str) -> bool:
         pages = self.held.pop(rid, None)
         if pages is None:

@@ -261,3 +261,37 @@ def test_reserved_pages_come_from_eviction_and_received_prompts_are_cached(model
     assert pages is not None and len(pages) == 8 and eng.stats().cache.evicted_pages > 0
     eng.release("imp")
     assert_idle(eng)
+
+
+def test_reserve_prompt_reuses_and_pins_the_cached_prefix(model):
+    """The decode side of KV reuse: reserve_prompt() takes the cached full pages of a prompt
+    (pinned: eviction cannot take them while reserved), fresh pages for the rest, and reports
+    the key of the last reused page, which a prefill recomputes from the same tokens."""
+    from pdserve.core.page_keys import prefix_key
+
+    eng = make_engine(model, num_pages=12)
+    first = tokens(15, 18)  # 4 full pages + 2 tokens
+    run(eng, {0: [req("turn1", first)]})  # its prompt and output pages are cached now
+    second = first + tokens(16, 9)  # 27 tokens: 7 pages, the first 4 (at least) cached
+    pages, reused, key = eng.reserve_prompt("turn2", second)
+    assert reused >= 4 and len(pages) == 7 and key == prefix_key(second, PAGE, reused)
+    assert all(eng.cache.refcount(p) == 1 for p in pages[:reused])
+    # the pool is squeezed by another reservation: eviction must not take the pinned pages
+    assert eng.reserve("other", (12 - 7) * PAGE) is not None
+    assert eng.reserve("more", PAGE) is None
+    eng.release("other")
+    eng.add_prefilled(req("turn2", second), first_token=5)
+    while eng.has_work():
+        eng.step()
+    assert_idle(eng)
+    assert eng.reserve_prompt("cold", tokens(99, 9))[1:] == (0, "")
+    eng.release("cold")
+    assert_idle(eng)
+
+
+def test_reserve_prompt_with_the_cache_off_reuses_nothing(model):
+    eng = make_engine(model, cache=False)
+    run(eng, {0: [req("a", tokens(17, 16))]})
+    assert eng.reserve_prompt("b", tokens(17, 16))[1:] == (0, "")
+    eng.release("b")
+    assert_idle(eng)

@@ -33,6 +33,7 @@ def servers(tmp_path_factory):
         "off_sglang_name": Server("colocated", model_dir, log_dir=logs, extra=["--disable-radix-cache"]),
         "p2": Server("prefill", model_dir, dp=2, log_dir=logs),
         "d1": Server("decode", model_dir, dp=1, log_dir=logs),
+        "d2": Server("decode", model_dir, dp=2, log_dir=logs),
     }
     try:
         for srv in s.values():
@@ -166,6 +167,45 @@ def test_pd_with_prefill_dp2_reuses_on_the_prefill_and_says_so_on_the_decode(ser
     workers = {w["dp_rank"]: w for w in P.wait_idle()}
     assert workers[rank]["cached_pages"] > 0 and workers[1 - rank]["cached_pages"] == 0
     assert workers[rank]["extra"]["prefix_cache"]["hit_tokens"] >= reused
+    D.wait_idle()
+
+
+KV_PAGE_BYTES = PAGE * 2 * 2 * 2 * 16 * 4  # tokens x layers x (K, V) x kv heads x head dim x float32
+
+
+@pytest.mark.parametrize("p,d", [("p2", "d1"), ("p2", "d2")])
+def test_pd_second_turn_moves_only_the_pages_the_decode_lacks(servers, p, d):
+    """Turn 2 of a chat carries turn 1's prompt and answer: the decode rank that served turn 1
+    holds their full pages and is sent only the rest; another rank is sent everything. Greedy
+    output equals a cache-off server's either way."""
+    P, D, off = servers[p], servers[d], servers["off"]
+    flush(D)
+    turn1 = ids(41, 19)
+    greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    def pd(prompt, decode_rank):
+        room = random.getrandbits(63)
+        body = pd_body({"input_ids": prompt, "sampling_params": greedy}, P, room)
+        rp, rd = run(post_both(P, D, body, decode_extra={"routed_dp_rank": decode_rank}))
+        assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+        out = rd.json()
+        assert out["output_ids"] == generate(off, prompt, 8)["output_ids"]
+        return out["output_ids"], out["meta_info"]
+
+    answer, meta1 = pd(turn1, 0)
+    assert meta1["kv_reused_pages"] == 0
+    turn2 = turn1 + answer + ids(42, 6)
+    pages2 = -(-len(turn2) // PAGE)
+    held = (len(turn1) + len(answer) - 1) // PAGE  # the last answer token's KV was never computed
+    _, meta2 = pd(turn2, 0)
+    assert meta2["kv_reused_pages"] == held and meta2["kv_transferred_pages"] == pages2 - held
+    assert meta2["kv_bytes"] == (pages2 - held) * KV_PAGE_BYTES
+    text = httpx.get(D.url + "/metrics", timeout=10).text
+    assert 'pdserve_handoff_kv_pages_total{kind="reused",role="decode"}' in text
+    if D.dp > 1:  # the other rank holds none of it
+        _, meta3 = pd(turn2 + ids(43, 2), 1)
+        assert meta3["kv_reused_pages"] == 0 and meta3["kv_bytes"] == -(-(len(turn2) + 2) // PAGE) * KV_PAGE_BYTES
+    P.wait_idle()
     D.wait_idle()
 
 

@@ -36,6 +36,7 @@ STAGE_FACTS: dict[Stage, tuple[tuple[str, str], ...]] = {
     Stage.DISPATCH: (("dp_rank", "dp_rank"), ("reason", "dispatch_reason")),
     Stage.RANK_RESOLUTION: (("prefill_dp_rank", "prefill_dp_rank"), ("path", "dp_rank_path")),
     Stage.SCHEDULED: (("cached_tokens", "cached_tokens"),),  # prompt tokens the prefix cache held
+    Stage.PREALLOCATION: (("reused_pages", "kv_reused_pages"), ("transferred_pages", "kv_transferred_pages")),
     Stage.LAST_KV_BYTE: (("bytes", "kv_bytes"),),
 }
 TOP_FACTS = ("bootstrap_room", "prefill_dp_rank", "decode_dp_rank", "dp_rank", "dispatch_reason",

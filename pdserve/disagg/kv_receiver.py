@@ -40,6 +40,16 @@ log = logging.getLogger(__name__)
 S = HandoffState
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """Pages for a prompt's KV: `pages[:reused_pages]` already hold it (this decode's prefix
+    cache, pinned until the room ends), the rest are for the prefill to write."""
+
+    pages: list[int]
+    reused_pages: int = 0
+    reused_key: str = ""  # core.page_keys key of the last reused page
+
+
 @dataclass
 class DecodeRoom:
     room: int
@@ -49,6 +59,8 @@ class DecodeRoom:
     handoff: Handoff
     resolved: Resolved | None = None
     pages: list[int] | None = None
+    reused_pages: int = 0
+    reused_key: str = ""
     sent: bool = False
     resolved_at: float = 0.0
     reserved_at: float = 0.0
@@ -62,7 +74,7 @@ class DecodeReceiver:
     def __init__(self, backend: TransferBackend, dp_rank: int, local: dict, *,
                  resolve: Callable[[str, int, int | None], None],
                  cancel_resolve: Callable[[str, int], None],
-                 reserve: Callable[[str, int], list[int] | None], waiting_timeout: float,
+                 reserve: Callable[[str, int], Reservation | list[int] | None], waiting_timeout: float,
                  wake: Callable[[], None] = lambda: None, threads: int = 2,
                  abort_grace: float = 5.0, invalidate: Callable[[str], None] = lambda addr: None,
                  give_up: Callable[[str, int, str], None] = lambda addr, room, reason: None):
@@ -252,9 +264,11 @@ class DecodeReceiver:
                 return self._fail(r, f"room {r.room}: decode dp_rank {self.dp_rank} cannot reserve "
                                      f"pages: {e.message}", FailureCause.NO_PAGES)
             if pages is not None:
-                r.pages, r.reserved_at = pages, now
+                res = pages if isinstance(pages, Reservation) else Reservation(pages)
+                r.pages, r.reserved_at = res.pages, now
+                r.reused_pages, r.reused_key = res.reused_pages, res.reused_key
                 r.stages[Stage.PREALLOCATION.value] = time.time()
-                self.pool.submit(self._send_req, r.room, r.resolved, pages, r.prompt_len)
+                self.pool.submit(self._send_req, r.room, r.resolved, res, r.prompt_len)
         waited = now - r.handoff.entered[st]
         if waited > self.waiting_timeout:
             rank = r.resolved.rank if r.resolved else None
@@ -268,12 +282,13 @@ class DecodeReceiver:
         assert res.info is not None
         return res.info.peer()
 
-    def _send_req(self, room: int, res: Resolved, pages: list[int], prompt_len: int) -> None:
+    def _send_req(self, room: int, res: Resolved, got: Reservation, prompt_len: int) -> None:
         """Runs on a pool thread; reports a "sent" event exactly once."""
         sent_at = time.time()  # before the send: the prefill cannot see the kv_req earlier
         try:
-            msg = wire.KvReq(room=room, dst_pages=pages, prompt_len=prompt_len, decode_rank=self.dp_rank,
-                             prefill_rank=res.rank, prefill_instance=res.instance_id,
+            msg = wire.KvReq(room=room, dst_pages=got.pages[got.reused_pages:], prompt_len=prompt_len,
+                             decode_rank=self.dp_rank, prefill_rank=res.rank, prefill_instance=res.instance_id,
+                             reused_pages=got.reused_pages, reused_key=got.reused_key,
                              **{k: self.local[k] for k in
                                 ("layout", "endpoint", "page_size", "kv_dtype", "fingerprint", "backend")})
             self.backend.send(self._peer(res), wire.to_wire(msg))
@@ -334,6 +349,8 @@ class DecodeReceiver:
                      resolve_s=r.resolved.seconds)
             if r.pages is not None:
                 d["prealloc_wait_s"] = r.reserved_at - r.resolved_at
+                d["kv_reused_pages"] = r.reused_pages  # already on this decode: not moved
+                d["kv_transferred_pages"] = len(r.pages) - r.reused_pages
         if S.WAITING_FOR_INPUT in h.entered:
             d["bootstrap_s"] = h.entered[S.WAITING_FOR_INPUT] - h.created
             d["waiting_s"] = h.entered[h.state] - h.entered[S.WAITING_FOR_INPUT]

@@ -34,6 +34,7 @@ import msgspec
 
 from ..core.failures import FailureCause, rejection_cause
 from ..core.log_format import fields
+from ..core.page_keys import prefix_key
 from ..core.timeline import Stage, transfer_stages
 from ..transfer.base import TransferBackend, TransferError, peer_name
 from . import wire
@@ -49,6 +50,7 @@ class PrefillRoom:
     rid: str
     prompt_len: int
     handoff: Handoff
+    prompt_ids: list[int] | None = None  # to check a decode's reused prefix
     req: wire.KvReq | None = None  # the decode's
     peer: dict | None = None
     pages: list[int] | None = None  # set when the prefill finished
@@ -115,11 +117,12 @@ class PrefillSender:
         """`room` is in progress here (a second request for it must be refused)."""
         return room in self.rooms
 
-    def accept(self, room: int, rid: str, prompt_len: int) -> None:
-        """A prefill request for `room` arrived; ValueError if the room is already in progress."""
+    def accept(self, room: int, rid: str, prompt_len: int, prompt_ids: list[int] | None = None) -> None:
+        """A prefill request for `room` arrived; ValueError if the room is already in progress.
+        `prompt_ids` lets a decode reuse a prefix it holds (its key is checked against them)."""
         if room in self.rooms:
             raise ValueError(f"room {room} is already in progress on prefill dp_rank {self.dp_rank}")
-        r = PrefillRoom(room, rid, prompt_len, Handoff(room, Side.PREFILL))
+        r = PrefillRoom(room, rid, prompt_len, Handoff(room, Side.PREFILL), prompt_ids)
         self.rooms[room] = r
         if room in self.failed:
             self._fail(r, self.failed[room].reason, self.failed[room].cause)
@@ -265,11 +268,22 @@ class PrefillSender:
 
     # ---- progress ----------------------------------------------------------------------------
     def _attach(self, r: PrefillRoom, peer: dict, req: wire.KvReq) -> None:
-        need = -(-r.prompt_len // self.local["page_size"])
+        page = self.local["page_size"]
+        need = -(-r.prompt_len // page) - req.reused_pages
+        reason = None
         if len(req.dst_pages) != need or req.prompt_len != r.prompt_len:
-            reason = (f"room {r.room}: decode sent {len(req.dst_pages)} pages for "
-                      f"{req.prompt_len} tokens, prefill has {r.prompt_len} tokens "
-                      f"({need} pages): the two legs got different prompts")
+            reason = (f"room {r.room}: decode sent {len(req.dst_pages)} pages (reusing "
+                      f"{req.reused_pages}) for {req.prompt_len} tokens, prefill has {r.prompt_len} "
+                      f"tokens ({need + req.reused_pages} pages): the two legs got different prompts")
+        elif req.reused_pages and not 0 < req.reused_pages <= r.prompt_len // page:
+            reason = (f"room {r.room}: decode claims {req.reused_pages} reused pages of a "
+                      f"{r.prompt_len}-token prompt ({r.prompt_len // page} full pages)")
+        elif req.reused_pages and (r.prompt_ids is None or
+                                   prefix_key(r.prompt_ids, page, req.reused_pages) != req.reused_key):
+            reason = (f"room {r.room}: decode dp_rank {req.decode_rank} holds {req.reused_pages} pages of "
+                      f"another prefix (key {req.reused_key[:16]}...) than this prompt's: prefix hash "
+                      "mismatch")
+        if reason is not None:
             r.peer = peer
             self._fail(r, reason, FailureCause.INCOMPATIBLE)
             return
@@ -288,8 +302,8 @@ class PrefillSender:
     def _transfer_job(self, room: int, peer: dict, req: wire.KvReq, pages: list[int], aux: dict) -> None:
         """Runs on a pool thread; whatever happens, it reports to `jobs` exactly once."""
         try:
-            dst = req.dst_pages
-            res = self.backend.write_pages(peer, req.layout, pages[:len(dst)], dst)
+            dst = req.dst_pages  # the decode already holds the first reused_pages pages
+            res = self.backend.write_pages(peer, req.layout, pages[req.reused_pages:][:len(dst)], dst)
             info = {"bytes": res.bytes, "transfer_s": res.seconds, "started_at": res.started_at,
                     "finished_at": res.finished_at, "writes": res.num_writes}
             log.debug("kv write", extra=fields(room=room, **info))

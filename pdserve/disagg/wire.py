@@ -31,7 +31,7 @@ class _Msg(msgspec.Struct, tag_field="t", kw_only=True, omit_defaults=True):
 
 
 class KvReq(_Msg, tag=KV_REQ):
-    dst_pages: list[int]
+    dst_pages: list[int]  # for the prompt's pages after the reused ones
     prompt_len: int
     layout: dict
     endpoint: dict  # the decode worker's transfer endpoint: every answer goes there
@@ -43,6 +43,8 @@ class KvReq(_Msg, tag=KV_REQ):
     prefill_rank: int | None = None  # the rank the decode addressed
     prefill_instance: str = ""  # the bootstrap instance it resolved against ("" = not known)
     forwarded_by: int | None = None  # set by the rank that forwarded it to the holder
+    reused_pages: int = 0  # leading full pages of the prompt the decode's own cache holds
+    reused_key: str = ""  # page key (core.page_keys) of the last of them: both sides must agree
 
 
 class KvAbort(_Msg, tag=KV_ABORT):

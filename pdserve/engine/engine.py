@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.errors import BadRequest
+from ..core.page_keys import chain_hashes
 from .allocator import PageAllocator
 from .attention import AttnBatch
 from .cpu_kernels import PagedAttentionKernel
@@ -127,6 +128,24 @@ class Engine:
         if pages is not None:
             self.held[rid] = pages
         return pages
+
+    def reserve_prompt(self, rid: str, prompt_ids: list[int]) -> tuple[list[int], int, str] | None:
+        """Pages for a prompt whose KV will arrive from elsewhere, reusing the longest run of its
+        full pages this engine's prefix cache holds (they are pinned under rid, so no eviction
+        can touch them before add_prefilled() or release()). -> (pages, reused pages, hex key
+        of the last reused page or ""), or None when the pool cannot hold the rest now."""
+        if rid in self.held or rid in self.seqs:
+            raise BadRequest(f"request id {rid} is already in use")
+        page = self.scheduler.page_size
+        keys = chain_hashes(prompt_ids, page, []) if self.cache.enabled else []
+        reused = self.cache.match(keys)
+        fresh = self.cache.alloc(self.scheduler.pages_for(len(prompt_ids)) - len(reused))
+        if fresh is None:
+            self.cache.release(reused)
+            return None
+        self.cache.count_lookup(len(prompt_ids), len(reused) * page)
+        self.held[rid] = reused + fresh
+        return reused + fresh, len(reused), keys[len(reused) - 1].hex() if reused else ""
 
     def release(self, rid: str) -> bool:
         pages = self.held.pop(rid, None)

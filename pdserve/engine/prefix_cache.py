@@ -12,24 +12,13 @@ keyed and a sequence only writes past its last full page, so shared pages are ne
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ..core.page_keys import chain_hashes
 from .allocator import PageAllocator
 
-
-def chain_hashes(tokens: list[int], page_size: int, prev: list[bytes]) -> list[bytes]:
-    """`prev` (the keys of the first len(prev) pages of `tokens`) extended to every full page."""
-    out = list(prev)
-    parent = out[-1] if out else b""
-    for start in range(len(out) * page_size, len(tokens) - page_size + 1, page_size):
-        h = hashlib.blake2b(parent, digest_size=16)
-        h.update(array("i", tokens[start:start + page_size]).tobytes())
-        parent = h.digest()
-        out.append(parent)
-    return out
+__all__ = ["CacheCounters", "PrefixCache", "chain_hashes"]
 
 
 @dataclass(frozen=True)

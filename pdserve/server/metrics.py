@@ -89,6 +89,9 @@ class FrontMetrics:
         self.conflicts = counter("pdserve_dp_rank_conflicts", "follow_bootstrap_room conflicts rejected").labels(role)
         self.resolutions = counter("pdserve_dp_rank_resolutions",
                                    "prefill DP ranks resolved by this decode, by path", ("role", "path"))
+        self.kv_pages = counter("pdserve_handoff_kv_pages",
+                                "decode: prompt KV pages per handoff, reused from its own prefix cache or "
+                                "transferred from the prefill", ("role", "kind"))
         self.prompt_tokens = counter("pdserve_prompt_tokens", "prompt tokens of finished items").labels(role)
         self.generation_tokens = counter("pdserve_generation_tokens", "tokens generated").labels(role)
         self.running = Gauge("pdserve_running_items", "items in flight at this front", R, registry=r).labels(role)
@@ -179,6 +182,10 @@ class FrontMetrics:
                 self.handoff_seconds[name].observe(v)
         if meta.get("dp_rank_path"):
             self.resolutions.labels(self.role, str(meta["dp_rank_path"])).inc()
+        for kind in ("reused", "transferred"):
+            pages = meta.get(f"kv_{kind}_pages")
+            if isinstance(pages, int) and pages:
+                self.kv_pages.labels(self.role, kind).inc(pages)
         nbytes, secs = meta.get("kv_bytes"), meta.get("kv_transfer_s")
         if isinstance(nbytes, int):
             self.kv_bytes.observe(nbytes)

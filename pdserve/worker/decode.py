@@ -12,7 +12,7 @@ from ..core.errors import PDServeError
 from ..core.messages import GenerateReq, TokenOutput
 from ..disagg.bootstrap_client import BootstrapClient, bootstrap_addr
 from ..disagg.heartbeat import Heartbeat
-from ..disagg.kv_receiver import DecodeReceiver
+from ..disagg.kv_receiver import DecodeReceiver, Reservation
 from ..disagg.rank_resolver import RankResolver
 from ..engine.sequence import EngineRequest
 from .colocated import ColocatedRole
@@ -33,7 +33,7 @@ class DecodeRole(WorkerRole):
         self.rooms: dict[str, int] = {}  # rid -> room
         self.receiver = DecodeReceiver(
             self.backend, self.dp_rank, self.local, resolve=self._resolve, cancel_resolve=self._cancel,
-            reserve=self.engine.reserve, waiting_timeout=envs.waiting_timeout, wake=self.ctx.wake,
+            reserve=self._reserve, waiting_timeout=envs.waiting_timeout, wake=self.ctx.wake,
             invalidate=self.client.invalidate, give_up=self._give_up)
         self.resolver = RankResolver(
             self.client, decode_force=cfg.force_query_prefill_dp_rank or envs.force_query_prefill_dp_rank,
@@ -46,6 +46,12 @@ class DecodeRole(WorkerRole):
                                    gone_ranks=self.client.gone_ranks)
         self.pump = MessagePump(self.backend, self.ctx.wake)
         return {"transfer_endpoint": self.local["endpoint"]}
+
+    def _reserve(self, rid: str, prompt_len: int) -> Reservation | None:
+        """Pages for a room's prompt, reusing what this decode's prefix cache holds of it."""
+        room = self.rooms[rid]
+        got = self.engine.reserve_prompt(rid, self.pending[room].input_ids)
+        return None if got is None else Reservation(*got)
 
     def _give_up(self, addr: str, room: int, reason: str) -> None:
         """Best effort (receiver thread): without it the prefill keeps the room to its deadline."""

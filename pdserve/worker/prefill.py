@@ -59,7 +59,7 @@ class PrefillRole(WorkerRole):
                 self.sender.mark_failed(req.pd.bootstrap_room, e.message)
             return [error_output(req.rid, e.status, e.message, e.type)]
         self.rooms[req.rid] = req.pd.bootstrap_room
-        self.sender.accept(req.pd.bootstrap_room, req.rid, len(req.input_ids))
+        self.sender.accept(req.pd.bootstrap_room, req.rid, len(req.input_ids), req.input_ids)
         return []
 
     def on_step(self, outs: list[StepOutput]) -> list[TokenOutput]:
