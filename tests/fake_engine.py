@@ -228,6 +228,9 @@ class FakeEngine:
             self.held[rid] = pages
         return pages
 
+    def cached_prefix_tokens(self, prompt_ids: list[int]) -> int:
+        return 0  # no prefix cache
+
     def reserve_prompt(self, rid: str, prompt_ids: list[int]) -> tuple[list[int], int, str] | None:
         """As Engine.reserve_prompt, with no prefix cache: nothing is ever reused."""
         pages = self.reserve(rid, len(prompt_ids))

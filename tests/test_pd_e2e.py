@@ -43,6 +43,7 @@ def servers(model_dir, tmp_path_factory):
         "d1": Server("decode", model_dir, dp=1, log_dir=logs),
         "d2": Server("decode", model_dir, dp=2, log_dir=logs),
         "d1_force": Server("decode", model_dir, dp=1, log_dir=logs, extra=["--force-query-prefill-dp-rank"]),
+        "d1_local": Server("decode", model_dir, dp=1, log_dir=logs, extra=["--disagg-local-prefill-max-tokens", "8"]),
     }
     try:
         for srv in s.values():
@@ -369,4 +370,43 @@ def test_client_disconnect_on_decode_leg_frees_both_sides(servers):
     r = httpx.post(P.url + "/generate", json=body, timeout=30)
     assert r.status_code >= 400, r.text
     assert time.monotonic() - t0 < 5
+    assert_idle(P, D)
+
+
+def test_conditional_disaggregation_prefills_short_uncached_prompts_on_the_decode(servers):
+    """--disagg-local-prefill-max-tokens 8: a prompt with at most 8 tokens missing from the
+    decode's prefix cache is prefilled there and its prefill leg ends at once with no transfer;
+    a longer one goes through the prefill; the second turn of a chat, mostly cached on the
+    decode, is local again. Greedy output equals colocated every time."""
+    import httpx
+
+    P, D = servers["p2"], servers["d1_local"]
+    rng = random.Random(5)
+
+    def colo(ids):
+        r = httpx.post(servers["colo"].url + "/generate", json={"input_ids": ids, "sampling_params": greedy()},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+
+    def pd(ids):
+        body = pd_body({"input_ids": ids, "sampling_params": greedy()}, P, random.getrandbits(63))
+        rp, rd = run(post_both(P, D, body))
+        assert rp.status_code == 200, rp.text
+        assert rd.status_code == 200, rd.text
+        assert rd.json()["output_ids"] == colo(ids)
+        return rp.json()["meta_info"], rd.json()
+
+    short = [rng.randrange(3, 250) for _ in range(5)]
+    pmeta, out = pd(short)
+    assert out["meta_info"]["disaggregation"] == "local" and pmeta["disaggregation"] == "dropped"
+    assert "kv_bytes" not in out["meta_info"]
+    long = [rng.randrange(3, 250) for _ in range(40)]
+    pmeta, out = pd(long)
+    assert "disaggregation" not in out["meta_info"] and out["meta_info"]["kv_bytes"] > 0
+    turn2 = long + out["output_ids"] + [rng.randrange(3, 250) for _ in range(3)]
+    pmeta, out2 = pd(turn2)
+    assert out2["meta_info"]["disaggregation"] == "local" and out2["meta_info"]["local_prefill_tokens"] <= 8
+    text = httpx.get(D.url + "/metrics", timeout=10).text
+    assert 'pdserve_disagg_decisions_total{decision="local",role="decode"} 2.0' in text
     assert_idle(P, D)

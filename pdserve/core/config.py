@@ -53,6 +53,10 @@ class ServerConfig:
     disable_prefix_cache: bool = _opt(
         "do not reuse KV pages of earlier requests' prompts (the prefix cache is on by default)",
         default=False, aliases=("--disable-radix-cache",))
+    disagg_local_prefill_max_tokens: int = _opt(
+        "decode: prefill a PD request on this decode instead, and tell its prefill to drop the room, "
+        "when at most this many of its prompt tokens are missing from this decode's prefix cache "
+        "(conditional disaggregation; 0 = always use the prefill)", default=0)
     context_length: int = _opt("max prompt + output tokens (0 = the model's)", default=0)
     cpu_kernels: str = _opt("bfloat16 on CPU: auto (our AVX-512 BF16 C kernels for attention, "
                             "norms and RoPE, built with gcc at first use, where the CPU has it) or "
@@ -85,6 +89,10 @@ class ServerConfig:
 
         for rank in range(max(1, self.dp_size)):  # a bad --cpu-bind fails at start-up, naming it
             rank_cpus(self.cpu_bind, rank, max(1, self.dp_size))
+        if self.disagg_local_prefill_max_tokens and Role(self.role) is not Role.DECODE:
+            raise ValueError("--disagg-local-prefill-max-tokens applies to --role decode only")
+        if self.disagg_local_prefill_max_tokens < 0:
+            raise ValueError("--disagg-local-prefill-max-tokens must be >= 0")
         if self.chunked_prefill_size < 1:
             raise ValueError(f"--chunked-prefill-size must be >= 1, got {self.chunked_prefill_size}")
         if self.max_num_batched_tokens and self.max_num_batched_tokens <= self.max_running_requests:

@@ -1,7 +1,8 @@
 """Typed messages between an HTTP front and its DP worker processes.
 
 Fronts and workers exchange these dataclasses over ZMQ (pickled; see worker/channel.py).
-Front -> worker: GenerateReq, AbortReq, StatsReq, ShutdownReq, RoomFailedNotice, RoomRoutedNotice.
+Front -> worker: GenerateReq, AbortReq, StatsReq, ShutdownReq, RoomFailedNotice, RoomRoutedNotice,
+RoomDroppedNotice.
 Worker -> front: WorkerReady once, then OutputBatch per engine step and WorkerStats on demand.
 """
 
@@ -43,6 +44,15 @@ class AbortReq:
 class RoomFailedNotice:
     """Prefill front -> the worker a room implies: the room was rejected (e.g. a
     follow_bootstrap_room conflict), so a decode contacting this worker for it fails at once."""
+
+    room: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class RoomDroppedNotice:
+    """Prefill front -> every worker: the room's decode prefilled it itself; the worker holding
+    the room (now or when its request arrives) ends it with a success and no KV transfer."""
 
     room: int
     reason: str

@@ -40,7 +40,7 @@ STAGE_FACTS: dict[Stage, tuple[tuple[str, str], ...]] = {
     Stage.LAST_KV_BYTE: (("bytes", "kv_bytes"),),
 }
 TOP_FACTS = ("bootstrap_room", "prefill_dp_rank", "decode_dp_rank", "dp_rank", "dispatch_reason",
-             "dp_rank_path", "cached_tokens", "failure_cause")
+             "dp_rank_path", "cached_tokens", "failure_cause", "disaggregation")
 
 
 def transfer_stages(write: dict) -> dict[str, float]:

@@ -119,6 +119,11 @@ class BootstrapClient:
         self._json("POST", addr, "/fail_room", timeout=self.timeout,
                    json={"bootstrap_room": room, "reason": reason})
 
+    def drop_room(self, addr: str, room: int, reason: str) -> None:
+        """POST /drop_room: this decode prefilled `room` itself; the prefill ends it, moving nothing."""
+        self._json("POST", addr, "/drop_room", timeout=self.timeout,
+                   json={"bootstrap_room": room, "reason": reason})
+
     def get_topology(self, addr: str, *, deadline_s: float | None = None,
                      max_age_s: float | None = None) -> Topology:
         """The cached topology of `addr`, fetched (retrying on 503 until `deadline_s`) on a miss.

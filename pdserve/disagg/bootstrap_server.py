@@ -4,7 +4,8 @@ Routes: PUT /route (a DP worker registers), GET /route?prefill_dp_rank=-1|K (top
 rank's endpoint; 503 until every rank registered, or when that rank's worker is gone), POST
 /register_dp_rank, POST /query_dp_ranks, POST /fail_room (a decode that cannot take a room's
 KV, e.g. on another transfer backend, says so: the prefill frees it now, not at its bootstrap
-deadline), GET /health (instance_id; gone_ranks when a worker died). Runs on its own port
+deadline), POST /drop_room (the decode prefilled the room itself: the prefill ends it with a
+success and moves nothing), GET /health (instance_id; gone_ranks when a worker died). Runs on its own port
 inside the prefill front's event loop (`start_bootstrap_server`) or, for tests and tools, on a
 thread of its own (`ThreadedBootstrap`).
 
@@ -67,12 +68,15 @@ async def _json_object(request: web.Request) -> dict:
 
 
 def make_bootstrap_app(table: BootstrapTable, *, token: str = "",
-                       on_room_failed: Callable[[int, str], None] | None = None) -> web.Application:
+                       on_room_failed: Callable[[int, str], None] | None = None,
+                       on_room_dropped: Callable[[int, str], None] | None = None) -> web.Application:
     """The bootstrap service over `table`. With `token`, the write routes need the Bearer token.
-    `on_room_failed(room, reason)` handles POST /fail_room (default: record it failed in `table`)."""
+    `on_room_failed(room, reason)` handles POST /fail_room (default: record it failed in `table`),
+    `on_room_dropped(room, reason)` POST /drop_room (default: forget the room)."""
     app = web.Application(middlewares=[_errors_as_json])
     auth = _require_token(token)
     fail_room = on_room_failed or table.record_failed
+    drop_room = on_room_dropped or (lambda room, reason: table.forget(room))
 
     async def put_route(request: web.Request) -> web.Response:
         table.register_rank(RankInfo.from_json(await _json_object(request)))
@@ -119,6 +123,15 @@ def make_bootstrap_app(table: BootstrapTable, *, token: str = "",
         fail_room(room, f"the decode side gave up the room: {reason}")
         return web.json_response({"status": "ok"})
 
+    async def drop_room_route(request: web.Request) -> web.Response:
+        body = await _json_object(request)
+        room = check_room(body.get("bootstrap_room"))
+        reason = body.get("reason")
+        if not isinstance(reason, str) or not reason.strip():
+            raise BadRequest("reason must be a non-empty string")
+        drop_room(room, reason[:MAX_REASON_CHARS])
+        return web.json_response({"status": "ok"})
+
     async def health(request: web.Request) -> web.Response:
         reply: dict = {"status": "ok", "instance_id": table.instance_id}
         gone = table.gone_ranks()
@@ -131,6 +144,7 @@ def make_bootstrap_app(table: BootstrapTable, *, token: str = "",
     app.router.add_post("/register_dp_rank", auth(register_dp_rank))
     app.router.add_post("/query_dp_ranks", query_dp_ranks)
     app.router.add_post("/fail_room", auth(fail_room_route))
+    app.router.add_post("/drop_room", auth(drop_room_route))
     app.router.add_get("/health", health)
     return app
 
@@ -148,10 +162,11 @@ class RunningBootstrap:
 
 
 async def start_bootstrap_server(table: BootstrapTable, host: str, port: int, *, token: str = "",
-                                 on_room_failed: Callable[[int, str], None] | None = None) -> RunningBootstrap:
+                                 on_room_failed: Callable[[int, str], None] | None = None,
+                                 on_room_dropped: Callable[[int, str], None] | None = None) -> RunningBootstrap:
     """Serve the bootstrap app on host:port in the running event loop."""
-    runner = web.AppRunner(make_bootstrap_app(table, token=token, on_room_failed=on_room_failed),
-                           access_log=None)
+    runner = web.AppRunner(make_bootstrap_app(table, token=token, on_room_failed=on_room_failed,
+                                              on_room_dropped=on_room_dropped), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:

@@ -132,3 +132,4 @@ class HandoffDone:
     aux: dict | None
     meta: dict
     stages: dict[str, float] = field(default_factory=dict)
+    dropped: bool = False  # prefill: the decode prefilled the room itself (not a failure)

@@ -59,6 +59,7 @@ class PrefillRoom:
     result: dict = field(default_factory=dict)  # bytes, timings of the write
     cause: FailureCause = FailureCause.INTERNAL  # set with the first failure
     stages: dict[str, float] = field(default_factory=dict)  # Stage value -> time.time()
+    dropped: bool = False  # its decode prefilled it itself: ended without a transfer
 
 
 _DONE_FIELDS = ("first_token", "first_logprob", "input_logprobs", "prompt_len", "cached_tokens")
@@ -107,6 +108,7 @@ class PrefillSender:
         self.routes: dict[int, Route] = {}  # rooms homed here that the front sent elsewhere
         self.forwarded: dict[int, Forwarded] = {}
         self.instance_id = instance_id  # this server's bootstrap instance ("" = do not check)
+        self.dropped: dict[int, tuple[str, float]] = {}  # rooms dropped before their request came
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kv-send-{dp_rank}")
         self.jobs: queue.Queue = queue.Queue()
         self.done: list[HandoffDone] = []
@@ -124,7 +126,9 @@ class PrefillSender:
             raise ValueError(f"room {room} is already in progress on prefill dp_rank {self.dp_rank}")
         r = PrefillRoom(room, rid, prompt_len, Handoff(room, Side.PREFILL), prompt_ids)
         self.rooms[room] = r
-        if room in self.failed:
+        if room in self.dropped:
+            self.drop(room, self.dropped.pop(room)[0])
+        elif room in self.failed:
             self._fail(r, self.failed[room].reason, self.failed[room].cause)
         elif room in self.early:
             peer, req, _ = self.early.pop(room)
@@ -142,6 +146,17 @@ class PrefillSender:
         r = self.rooms.get(room)
         if r is not None and not r.handoff.done:
             self._fail(r, reason, cause)
+
+    def drop(self, room: int, reason: str) -> None:
+        """The room's decode prefilled it itself: end the room with no transfer (reported as
+        dropped, not failed), now or when its request arrives. A room whose KvReq already came
+        is being served and is left alone."""
+        r = self.rooms.get(room)
+        if r is None:
+            self.dropped[room] = (reason, time.monotonic())
+        elif r.handoff.state is S.BOOTSTRAPPING and not r.job_running:
+            r.dropped = True
+            self._fail(r, f"room {room}: dropped: {reason}", FailureCause.ABORTED)
 
     def mark_failed(self, room: int, reason: str) -> None:
         """The front failed `room` (rejected it, or its decode gave it up): the room ends here if
@@ -374,11 +389,11 @@ class PrefillSender:
                               f"(PDSERVE_BOOTSTRAP_TIMEOUT)", FailureCause.TIMEOUT)
             if r.handoff.done and not r.job_running:
                 del self.rooms[r.room]
-                if r.handoff.state is S.FAILED:  # a late kv_req for it is answered at once
+                if r.handoff.state is S.FAILED and not r.dropped:  # a late kv_req is answered at once
                     self.failed[r.room] = Doomed(r.handoff.reason, time.monotonic(), r.cause)
                 self.done.append(HandoffDone(r.room, r.rid, r.handoff.state is S.SUCCESS,
                                           r.handoff.reason, r.aux, self._meta(r),
-                                          {**r.stages, **transfer_stages(r.result)}))
+                                          {**r.stages, **transfer_stages(r.result)}, r.dropped))
         self._expire(now)
         out, self.done = self.done, []
         return out
@@ -396,7 +411,9 @@ class PrefillSender:
             d["decode_dp_rank"] = r.req.decode_rank
             if r.req.forwarded_by is not None:
                 d["kv_req_forwarded_by"] = r.req.forwarded_by
-        if r.handoff.state is S.FAILED:
+        if r.dropped:
+            d["disaggregation"] = "dropped"  # the decode prefilled it
+        elif r.handoff.state is S.FAILED:
             d["failure_cause"] = r.cause.value
         if r.result:
             d["kv_bytes"] = r.result["bytes"]
@@ -414,6 +431,9 @@ class PrefillSender:
         for room, doomed in list(self.failed.items()):
             if now - doomed.since > self.failed_ttl:
                 del self.failed[room]
+        for room, (_, since) in list(self.dropped.items()):
+            if now - since > self.failed_ttl:
+                del self.dropped[room]
         for table in (self.routes, self.forwarded):
             for room, entry in list(table.items()):
                 if now - entry.since > self.bootstrap_timeout:

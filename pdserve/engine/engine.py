@@ -129,6 +129,15 @@ class Engine:
             self.held[rid] = pages
         return pages
 
+    def cached_prefix_tokens(self, prompt_ids: list[int]) -> int:
+        """Prompt tokens a prefill of `prompt_ids` here would take from the prefix cache now
+        (full pages, at most up to one token before the end; nothing is pinned)."""
+        if not self.cache.enabled:
+            return 0
+        page = self.scheduler.page_size
+        usable = (len(prompt_ids) - 1) // page
+        return self.cache.peek(chain_hashes(prompt_ids[:usable * page], page, [])) * page
+
     def reserve_prompt(self, rid: str, prompt_ids: list[int]) -> tuple[list[int], int, str] | None:
         """Pages for a prompt whose KV will arrive from elsewhere, reusing the longest run of its
         full pages this engine's prefix cache holds (they are pinned under rid, so no eviction

@@ -73,6 +73,13 @@ class PrefixCache:
             self._ref(page)
         return pages
 
+    def peek(self, keys: list[bytes]) -> int:
+        """How many of `keys`, from the first, are cached (nothing is referenced)."""
+        n = 0
+        while self.enabled and n < len(keys) and keys[n] in self._page_of:
+            n += 1
+        return n
+
     def count_lookup(self, queried: int, hit: int) -> None:
         self.queried_tokens += queried
         self.hit_tokens += hit

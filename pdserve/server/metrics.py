@@ -89,6 +89,10 @@ class FrontMetrics:
         self.conflicts = counter("pdserve_dp_rank_conflicts", "follow_bootstrap_room conflicts rejected").labels(role)
         self.resolutions = counter("pdserve_dp_rank_resolutions",
                                    "prefill DP ranks resolved by this decode, by path", ("role", "path"))
+        self.pd_decisions = counter("pdserve_disagg_decisions",
+                                    "PD requests by where the prompt was prefilled: remote (the prefill), "
+                                    "local (this decode, conditional disaggregation), dropped (prefill: "
+                                    "its decode took it)", ("role", "decision"))
         self.kv_pages = counter("pdserve_handoff_kv_pages",
                                 "decode: prompt KV pages per handoff, reused from its own prefix cache or "
                                 "transferred from the prefill", ("role", "kind"))
@@ -182,6 +186,10 @@ class FrontMetrics:
                 self.handoff_seconds[name].observe(v)
         if meta.get("dp_rank_path"):
             self.resolutions.labels(self.role, str(meta["dp_rank_path"])).inc()
+        if meta.get("disaggregation") in ("local", "dropped"):
+            self.pd_decisions.labels(self.role, meta["disaggregation"]).inc()
+        elif meta.get("dp_rank_path") or meta.get("prefill_dp_rank") is not None:
+            self.pd_decisions.labels(self.role, "remote").inc()
         for kind in ("reused", "transferred"):
             pages = meta.get(f"kv_{kind}_pages")
             if isinstance(pages, int) and pages:

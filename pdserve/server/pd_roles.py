@@ -14,7 +14,7 @@ import logging
 from ..core.config import Role, ServerConfig
 from ..core.envs import Envs
 from ..core.errors import BadRequest, PDServeError
-from ..core.messages import PDParams, RoomFailedNotice, RoomRoutedNotice
+from ..core.messages import PDParams, RoomDroppedNotice, RoomFailedNotice, RoomRoutedNotice
 from ..disagg.bootstrap_server import start_bootstrap_server
 from ..disagg.bootstrap_table import BootstrapTable
 from ..core.pd_vocab import MAX_ROOM, check_room
@@ -82,7 +82,8 @@ class PrefillFrontRole(FrontRole):
 
     async def before_workers(self) -> None:
         self.bootstrap = await start_bootstrap_server(self.table, self.cfg.host, self.cfg.bootstrap_port,
-                                                      token=self.token, on_room_failed=self.fail_room)
+                                                      token=self.token, on_room_failed=self.fail_room,
+                                                      on_room_dropped=self.drop_room)
         log.info("bootstrap service on %s:%d", self.cfg.host, self.bootstrap.port)
         if not self.token and self.cfg.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("bootstrap service on %s without --bootstrap-token: anyone who reaches it can "
@@ -156,6 +157,14 @@ class PrefillFrontRole(FrontRole):
         """POST /fail_room: a decode gave `room` up."""
         log.warning("room %d failed: %s", room, reason)
         self._fail_everywhere(room, reason)
+
+    def drop_room(self, room: int, reason: str) -> None:
+        """POST /drop_room: the decode prefilled `room` itself. Every worker is told (the request
+        may not have arrived yet): the one holding it ends it with a success, moving nothing."""
+        log.info("room %d dropped: %s", room, reason)
+        self.table.forget(room)
+        for rank in range(self.cfg.dp_size):
+            self.notify(rank, RoomDroppedNotice(room, reason))
 
     def _fail_everywhere(self, room: int, reason: str) -> None:
         """Record `room` failed and tell every worker: one holding it ends it (frees its pages),

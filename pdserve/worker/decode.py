@@ -45,6 +45,8 @@ class DecodeRole(WorkerRole):
                                    on_alive=self.receiver.on_alive,
                                    gone_ranks=self.client.gone_ranks)
         self.pump = MessagePump(self.backend, self.ctx.wake)
+        self.local_max = cfg.disagg_local_prefill_max_tokens
+        self.local_meta: dict[str, dict] = {}  # rid -> meta for the first output of a local prefill
         return {"transfer_endpoint": self.local["endpoint"]}
 
     def _reserve(self, rid: str, prompt_len: int) -> Reservation | None:
@@ -80,11 +82,38 @@ class DecodeRole(WorkerRole):
         except PDServeError as e:
             status = 400 if e.status == 500 else e.status
             return [error_output(req.rid, status, e.message, e.type)]
+        if self.local_max:
+            missing = len(req.input_ids) - self.engine.cached_prefix_tokens(req.input_ids)
+            if missing <= self.local_max:
+                return self._prefill_here(req, missing)
         self.pending[room] = req
         self.rooms[req.rid] = room
         self.receiver.accept(room, req.rid, bootstrap_addr(req.pd.bootstrap_host, req.pd.bootstrap_port),
                              len(req.input_ids), req.pd.prefill_dp_rank)
         return []
+
+    def _prefill_here(self, req: GenerateReq, missing: int) -> list[TokenOutput]:
+        """Conditional disaggregation: this decode computes the prompt itself (only `missing`
+        tokens are not in its prefix cache) and tells the prefill to drop the room."""
+        room = req.pd.bootstrap_room
+        out = ColocatedRole(self.ctx).on_generate(req)
+        if out:  # refused by the engine: the prefill leg must not wait for us either
+            return out
+        self.local_meta[req.rid] = {"disaggregation": "local", "bootstrap_room": room,
+                                    "decode_dp_rank": self.dp_rank, "local_prefill_tokens": missing}
+        reason = (f"decode dp_rank {self.dp_rank} prefilled it ({missing} prompt tokens not in its "
+                  f"cache, --disagg-local-prefill-max-tokens {self.local_max})")
+        addr = bootstrap_addr(req.pd.bootstrap_host, req.pd.bootstrap_port)
+        self.receiver.pool.submit(self._drop_room, addr, room, reason)
+        return []
+
+    def _drop_room(self, addr: str, room: int, reason: str) -> None:
+        """Best effort (receiver thread): without it the prefill holds the room to its deadline."""
+        try:
+            self.client.drop_room(addr, room, reason)
+        except PDServeError as e:
+            log.warning("room %d: could not tell prefill %s to drop it: %s", room, addr, e,
+                        extra={"room": room})
 
     def on_abort(self, rid: str, reason: str) -> list[TokenOutput]:
         room = self.rooms.get(rid)
@@ -92,15 +121,18 @@ class DecodeRole(WorkerRole):
             self.receiver.abort(room, f"room {room}: decode request aborted ({reason})")
             return self.poll()
         self.rooms.pop(rid, None)
+        self.local_meta.pop(rid, None)
         if self.engine.abort(rid):
             return [error_output(rid, 499, reason, "aborted")]
         return []
 
     def on_step(self, outs):
+        tokens = []
         for o in outs:
             if o.finished:
                 self.rooms.pop(o.rid, None)
-        return super().on_step(outs)
+            tokens.append(to_token_output(o, self.local_meta.pop(o.rid, None)))
+        return tokens
 
     def poll(self) -> list[TokenOutput]:
         for sender, msg in self.pump.drain():

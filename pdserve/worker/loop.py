@@ -8,7 +8,7 @@ import os
 import time
 from dataclasses import asdict
 
-from ..core.messages import (AbortReq, GenerateReq, OutputBatch, RoomFailedNotice, RoomRoutedNotice, ShutdownReq,
+from ..core.messages import (AbortReq, GenerateReq, OutputBatch, RoomDroppedNotice, RoomFailedNotice, RoomRoutedNotice, ShutdownReq,
                              StatsReq, TokenOutput, WorkerStats)
 from ..engine.engine import Engine
 from .channel import WorkerChannel
@@ -65,6 +65,9 @@ class WorkerLoop:
             return self.role.on_abort(msg.rid, msg.reason)
         if isinstance(msg, RoomFailedNotice):
             self.role.on_room_failed(msg.room, msg.reason)
+            return []
+        if isinstance(msg, RoomDroppedNotice):
+            self.role.on_room_dropped(msg.room, msg.reason)
             return []
         if isinstance(msg, RoomRoutedNotice):
             self.role.on_room_routed(msg.room, msg.rank, msg.endpoint)

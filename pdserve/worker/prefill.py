@@ -88,6 +88,9 @@ class PrefillRole(WorkerRole):
     def on_room_failed(self, room: int, reason: str) -> None:
         self.sender.mark_failed(room, reason)
 
+    def on_room_dropped(self, room: int, reason: str) -> None:
+        self.sender.drop(room, reason)
+
     def on_room_routed(self, room: int, rank: int, endpoint: dict) -> None:
         self.sender.room_routed(room, rank, endpoint)
 
@@ -100,7 +103,10 @@ class PrefillRole(WorkerRole):
             self.rooms.pop(done.rid, None)
             first = self.first.pop(done.rid, None)
             self.engine.abort(done.rid)  # frees held pages, or stops a prefill still running
-            if done.ok and first is not None:
+            if done.dropped:  # a success for the router: the decode serves the request itself
+                outs.append(TokenOutput(done.rid, finished=True, meta=done.meta, timeline=done.stages,
+                                        finish_reason={"type": "abort", "message": done.reason}))
+            elif done.ok and first is not None:
                 outs.append(to_token_output(first, done.meta, done.stages))
             else:
                 outs.append(error_output(done.rid, 500, done.reason, "handoff_error", done.meta, done.stages))

@@ -54,6 +54,9 @@ class WorkerRole(ABC):
     def on_room_failed(self, room: int, reason: str) -> None:
         """The front rejected `room` (prefill only): answer decodes that ask for it at once."""
 
+    def on_room_dropped(self, room: int, reason: str) -> None:
+        """The room's decode prefilled it itself (prefill only): end it without a transfer."""
+
     def on_room_routed(self, room: int, rank: int, endpoint: dict) -> None:
         """The front sent `room`, homed on this rank, to `rank` (prefill only): forward its KV
         request there."""
