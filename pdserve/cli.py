@@ -54,6 +54,7 @@ BENCHES = {
     "kernels": "pdserve.bench.kernels_bench",
     "cache-parity": "pdserve.bench.cache_parity",
     "long-arrival": "pdserve.bench.long_arrival",
+    "pd-reuse": "pdserve.bench.pd_reuse_bench",
 }
 
 
