@@ -295,3 +295,24 @@ def test_reserve_prompt_with_the_cache_off_reuses_nothing(model):
     assert eng.reserve_prompt("b", tokens(17, 16))[1:] == (0, "")
     eng.release("b")
     assert_idle(eng)
+
+
+def test_a_flush_or_eviction_during_a_handoff_leaves_the_reused_pages_alone(model):
+    """Between reserve_prompt() and add_prefilled() the decode's reused pages must keep their KV:
+    neither a flush nor allocation pressure may hand them out."""
+    eng = make_engine(model, num_pages=10)
+    first = tokens(21, 13)
+    run(eng, {0: [req("t1", first)]})
+    second = first + tokens(22, 3)
+    pages, reused, _ = eng.reserve_prompt("t2", second)
+    assert reused >= 3
+    before = eng.pool.buffer[:, :, pages[:reused]].clone()
+    eng.flush_cache()
+    squeeze = eng.reserve("squeeze", eng.stats().free_pages * PAGE)  # every page not pinned
+    assert squeeze is not None and not set(squeeze) & set(pages)
+    assert torch.equal(before, eng.pool.buffer[:, :, pages[:reused]])
+    eng.release("squeeze")
+    eng.add_prefilled(req("t2", second), first_token=7)
+    while eng.has_work():
+        eng.step()
+    assert_idle(eng)

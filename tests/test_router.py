@@ -399,6 +399,30 @@ def test_policies_spread_as_they_say(procs):
     assert len(idle.bodies()) == 8 and busy.bodies() == []
 
 
+def test_cache_aware_keeps_each_conversation_on_its_decode_rank(procs):
+    prefill = procs.start(Stub, "prefill")
+    d1, d2 = procs.start(Stub, "decode", "--dp-size", "2"), procs.start(Stub, "decode", "--dp-size", "2")
+    router = procs.start(Router, "--prefill", prefill.url, "--decode", d1.url, "--decode", d2.url,
+                         "--policy", "cache_aware", "--dp-aware", "--health-check-interval-secs", "60")
+    systems = ["You answer in French.", "You answer in haiku.", "You are a pirate.", "You are terse."]
+    for turn in range(3):
+        for system in systems:
+            messages = [{"role": "system", "content": system}]
+            for t in range(turn + 1):
+                messages += [{"role": "user", "content": f"question {t} about {system}"},
+                             {"role": "assistant", "content": f"answer {t}"}]
+            resp = router.post("/v1/chat/completions", {"model": "m", "messages": messages[:-1]})
+            assert resp.status_code == 200, resp.text
+    homes: dict[str, set] = {}
+    for stub in (d1, d2):
+        for body in stub.bodies():
+            homes.setdefault(body["messages"][0]["content"], set()).add((stub.url, body["routed_dp_rank"]))
+    # Each conversation stayed on one (decode, rank); the four went to four different slots.
+    assert all(len(slots) == 1 for slots in homes.values()), homes
+    assert len(set().union(*homes.values())) == 4
+    assert router.metric('pdserve_router_cache_aware_decisions_total{outcome="matched",role="decode"}') == 8
+
+
 def test_health_removes_and_returns_servers(procs):
     prefill = procs.start(Stub, "prefill")
     d1, d2 = procs.start(Stub, "decode"), procs.start(Stub, "decode")

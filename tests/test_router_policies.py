@@ -16,7 +16,7 @@ from pdserve.router.config import ServerSpec
 from pdserve.router.health import HealthState, HealthTracker, ProbeEvent, TRANSITIONS
 from pdserve.router.pd_body import (Route, inspect_request, leg_bodies, merge_input_logprobs, mint_rooms,
                                     parse_client_body)
-from pdserve.router.policies import PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy, make_policy
+from pdserve.router.policies import CacheAwarePolicy, PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy, make_policy
 from pdserve.router.upstream import Upstream, UpstreamPool
 
 
@@ -59,8 +59,16 @@ def test_power_of_two_equal_loads_spread_and_single_candidate():
 
 def test_make_policy_names():
     assert isinstance(make_policy("power_of_two"), PowerOfTwoPolicy)
+    assert isinstance(make_policy("cache_aware"), CacheAwarePolicy)  # a real policy now, not an alias
     with pytest.raises(ValueError, match="unknown policy"):
-        make_policy("cache_aware")
+        make_policy("cache_awareness")
+
+
+def test_simple_policies_ignore_the_routing_key():
+    servers = [Srv("a"), Srv("b")]
+    policy = RoundRobinPolicy()
+    assert [policy.pick(servers, "some text").name for _ in range(3)] == list("aba")
+    assert not policy.needs_key and not policy.per_rank
 
 
 # ---- health state machine -----------------------------------------------------------------
@@ -184,7 +192,7 @@ def test_sglang_router_command_line_parses():
                 "--retry-max-retries 5 --host 127.0.0.1 --port 0 --prometheus-host 127.0.0.1")
     assert cfg.prefill == (ServerSpec("http://a:1", 8998), ServerSpec("http://b:2"), ServerSpec("http://c:3"))
     assert cfg.decode == (ServerSpec("http://d:4"), ServerSpec("http://e:5"))
-    assert (cfg.prefill_policy, cfg.decode_policy, cfg.max_tries) == ("power_of_two", "random", 5)
+    assert (cfg.prefill_policy, cfg.decode_policy, cfg.max_tries) == ("cache_aware", "random", 5)
 
 
 def test_defaults():

@@ -1,8 +1,9 @@
 """The router process: aiohttp app (routes, auth, JSON errors, metrics), its lifecycle, and `run_router`.
 
 RouterApp owns the leg client (our keep-alive pools for the PD legs, an aiohttp session for
-health and info GETs), the upstream pool, the health loop and the PD proxy; `serve()` runs it
-until SIGINT/SIGTERM.
+health and info GETs), the upstream pool, the health loop, the policies' upkeep (cache_aware's
+eviction) and the PD proxy; `serve()` runs it until SIGINT/SIGTERM. A server that leaves selection
+or restarts (a new instance_id in /server_info) loses its cache-aware state.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 import aiohttp
 from aiohttp import web
 
+from pdserve.core.config import Role
 from pdserve.core.errors import PDServeError, Unauthorized
 
 from .cli_args import config_from_args
@@ -30,7 +32,7 @@ from .legs import LegClient
 from .metrics import RouterMetrics
 from .pd_body import Route, inspect_request, parse_client_body
 from .pd_proxy import PDProxy, error_response
-from .policies import make_policy
+from .policies import Policy, make_policy
 from .upstream import Upstream, UpstreamPool
 
 log = logging.getLogger("pdserve.router")
@@ -46,9 +48,10 @@ class RouterApp:
         self.cfg = cfg
         self.metrics = RouterMetrics()
         rng = rng or random.Random()
-        self.pool = UpstreamPool.from_config(cfg, make_policy(cfg.prefill_policy, rng),
-                                             make_policy(cfg.decode_policy, rng),
-                                             assume_healthy=not cfg.health_check_enabled)
+        policies = [make_policy(name, rng, cache=cfg.cache_aware(),
+                                on_decision=self.metrics.cache_aware_recorder(role.value))
+                    for name, role in ((cfg.prefill_policy, Role.PREFILL), (cfg.decode_policy, Role.DECODE))]
+        self.pool = UpstreamPool.from_config(cfg, *policies, assume_healthy=not cfg.health_check_enabled)
         self.health = HealthLoop(self.pool.all(), self._probe, cfg.health_check_interval_secs, self._health_changed)
         headers = {"Content-Type": "application/json"}
         if cfg.api_key:
@@ -57,6 +60,7 @@ class RouterApp:
         self.proxy = PDProxy(cfg, self.pool, self.legs, self.metrics, self._leg_connection_failed)
         self.session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
+        self._upkeep_tasks: list[asyncio.Task] = []
         self._request_children: dict[tuple[str, int], tuple] = {}
 
     def build(self) -> web.Application:
@@ -83,11 +87,27 @@ class RouterApp:
             self._health_task = asyncio.create_task(self.health.run())
         else:  # still learn DP sizes once
             await asyncio.gather(*(self._refresh_info(up) for up in self.pool.all()))
+        for policy in (self.pool.prefill_policy, self.pool.decode_policy):
+            if policy.maintenance_interval_s > 0:
+                self._upkeep_tasks.append(asyncio.create_task(self._upkeep(policy)))
+
+    @staticmethod
+    async def _upkeep(policy: Policy) -> None:
+        """Run a policy's maintain() every maintenance_interval_s (cache_aware: LRU eviction, on this
+        loop so it never races a pick)."""
+        while True:
+            await asyncio.sleep(policy.maintenance_interval_s)
+            try:
+                policy.maintain()
+            except Exception:
+                log.exception("%s policy upkeep failed", policy.name)
 
     async def _cleanup(self, app: web.Application) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            await asyncio.wait([self._health_task])
+        tasks = [t for t in (self._health_task, *self._upkeep_tasks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
         await self.proxy.close()
         self.legs.close()
         if self.session is not None:
@@ -103,13 +123,15 @@ class RouterApp:
     async def _refresh_info(self, up: Upstream) -> None:
         """DP size and load from /server_info; a server without it still counts as healthy."""
         try:
-            up.update_from_server_info(
-                await self.legs.get_json(up.url + "/server_info", self.cfg.health_check_timeout_secs))
+            self.pool.update_server_info(
+                up, await self.legs.get_json(up.url + "/server_info", self.cfg.health_check_timeout_secs))
         except Exception as exc:
             log.debug("server_info of %s failed: %s", up.url, exc)
 
     def _health_changed(self, up: Upstream, old: HealthState, new: HealthState) -> None:
         self.metrics.upstream_healthy.labels(up.role.value, up.url).set(int(up.health.selectable))
+        if not up.health.selectable:  # out of selection: when it returns, its cache may be gone
+            self.pool.forget(up)
 
     def _leg_connection_failed(self, up: Upstream, message: str) -> None:
         if self.cfg.health_check_enabled:

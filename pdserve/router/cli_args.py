@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 from urllib.parse import urlparse
 
-from .config import POLICY_ALIASES, POLICY_NAMES, RouterConfig, ServerSpec
+from .config import POLICY_NAMES, RouterConfig, ServerSpec
+from .policies import CacheAwareConfig
 
-_POLICY_CHOICES = POLICY_NAMES + tuple(POLICY_ALIASES)
+_POLICY_CHOICES = POLICY_NAMES
+_CACHE = CacheAwareConfig()
 
 
 class _PrefillAction(argparse.Action):
@@ -56,9 +58,23 @@ def build_router_parser(parser: argparse.ArgumentParser | None = None) -> argpar
     p.add_argument("--host", default="127.0.0.1", help="bind address")
     p.add_argument("--port", type=int, default=30000, help="bind port (0 = any free port)")
     p.add_argument("--policy", choices=_POLICY_CHOICES, default="round_robin",
-                   help="server selection for both roles (cache_aware = power_of_two here)")
-    p.add_argument("--prefill-policy", choices=_POLICY_CHOICES, default=None)
-    p.add_argument("--decode-policy", choices=_POLICY_CHOICES, default=None)
+                   help="server selection for both roles (default round_robin; sglang-router's is cache_aware)")
+    p.add_argument("--prefill-policy", choices=_POLICY_CHOICES, default=None, help="prefill's own policy")
+    p.add_argument("--decode-policy", choices=_POLICY_CHOICES, default=None, help="decode's own policy")
+    p.add_argument("--cache-threshold", type=float, default=_CACHE.cache_threshold,
+                   help="cache_aware: follow the longest prefix match when it covers more than this share "
+                        "of the request (0.0-1.0, default %(default)s); else the server with the smallest tree")
+    p.add_argument("--balance-abs-threshold", type=int, default=_CACHE.balance_abs_threshold,
+                   help="cache_aware: load is imbalanced (pick the least loaded) when max - min load > this "
+                        "(default %(default)s) and max > min * --balance-rel-threshold")
+    p.add_argument("--balance-rel-threshold", type=float, default=_CACHE.balance_rel_threshold,
+                   help="cache_aware: see --balance-abs-threshold (default %(default)s)")
+    p.add_argument("--eviction-interval-secs", type=float, default=_CACHE.eviction_interval_secs,
+                   help="cache_aware: seconds between LRU evictions of the prefix trees "
+                        "(default %(default)s; 0 = never)")
+    p.add_argument("--max-tree-size", type=int, default=_CACHE.max_tree_size,
+                   help="cache_aware: eviction bound per server tree, in characters or token ids "
+                        "(default %(default)s = 2**26)")
     p.add_argument("--request-timeout-secs", type=float, default=1800.0, help="total deadline per request")
     p.add_argument("--max-retries", "--retry-max-retries", dest="max_retries", type=int, default=3,
                    help="tries per request (connection failures before streaming move to another pair)")
@@ -87,8 +103,7 @@ def build_router_parser(parser: argparse.ArgumentParser | None = None) -> argpar
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """Turn parsed flags into a RouterConfig (raises ValueError on an inconsistent set)."""
     def policy(name: str | None) -> str:
-        name = name or args.policy
-        return POLICY_ALIASES.get(name, name)
+        return name or args.policy
 
     extra = {k: getattr(args, k) for k in ("pd_disaggregation", "mini_lb", "worker_startup_timeout_secs")}
     return RouterConfig(
@@ -112,5 +127,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prometheus_host=args.prometheus_host,
         prometheus_port=args.prometheus_port,
         log_level="warning" if args.log_level == "warn" else args.log_level,
+        cache_threshold=args.cache_threshold,
+        balance_abs_threshold=args.balance_abs_threshold,
+        balance_rel_threshold=args.balance_rel_threshold,
+        eviction_interval_secs=args.eviction_interval_secs,
+        max_tree_size=args.max_tree_size,
         extra=extra,
     )

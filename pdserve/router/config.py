@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-POLICY_NAMES = ("random", "round_robin", "power_of_two")
-# sglang-router names we accept so its command lines work unchanged; we have no prefix tree.
-POLICY_ALIASES = {"cache_aware": "power_of_two"}
+from .policies import CacheAwareConfig
+
+POLICY_NAMES = ("random", "round_robin", "power_of_two", "cache_aware")
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,12 @@ class RouterConfig:
     prometheus_host: str = ""
     prometheus_port: int = 0
     log_level: str = "info"
+    # cache_aware (sglang-router's names and 0.3.2 CLI defaults; see policies.CacheAwareConfig)
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    eviction_interval_secs: float = 60.0
+    max_tree_size: int = 2 ** 26
     extra: dict = field(default_factory=dict)  # accepted-for-compatibility flags, reported only
 
     def __post_init__(self) -> None:
@@ -53,6 +59,16 @@ class RouterConfig:
             raise ValueError("health thresholds must be at least 1")
         if self.request_timeout_secs <= 0 or self.health_check_interval_secs <= 0:
             raise ValueError("timeouts and intervals must be positive")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError("--cache-threshold must be between 0 and 1")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 0:
+            raise ValueError("--balance-abs-threshold and --balance-rel-threshold must not be negative")
+        if self.eviction_interval_secs < 0 or self.max_tree_size < 0:
+            raise ValueError("--eviction-interval-secs and --max-tree-size must not be negative")
+
+    def cache_aware(self) -> CacheAwareConfig:
+        return CacheAwareConfig(self.cache_threshold, self.balance_abs_threshold, self.balance_rel_threshold,
+                                self.eviction_interval_secs, self.max_tree_size)
 
     def describe(self) -> dict:
         """The config as JSON-safe data for /server_info, with the API key hidden."""

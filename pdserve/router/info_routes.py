@@ -81,7 +81,7 @@ class InfoRoutes:
             info = await self.legs.get_json(up.url + "/server_info", self.cfg.health_check_timeout_secs)
         except Exception as exc:
             return {"server_info": up.server_info, "error": f"{type(exc).__name__}: {exc}"}
-        up.update_from_server_info(info)
+        self.pool.update_server_info(up, info)
         return {"server_info": info}
 
     async def from_first_decode(self, request: web.Request) -> web.Response:
@@ -110,6 +110,7 @@ class InfoRoutes:
             return {"url": up.url, "error": f"{up.role.value} server {up.url}: {type(exc).__name__}: {exc}"}
         if status >= 400:
             return {"url": up.url, "error": f"{up.role.value} server {up.url}: {status} {upstream_error_text(raw)[0]}"}
+        self.pool.forget(up)  # its prefix cache is empty now
         try:
             flushed = decode(raw).get("flushed_pages")
         except Exception:

@@ -1,7 +1,8 @@
 """One leg of a PD request: POST a body to one upstream and get its reply, or a LegError.
 
-A leg counts itself in its upstream's `inflight` and in the latency metric. Cancelling a leg
-(or closing an open stream) closes its connection, which makes a pdserve server abort it.
+A leg counts itself in its upstream's `inflight` (and, given its DP rank, in `rank_inflight`) and
+in the latency metric. Cancelling a leg (or closing an open stream) closes its connection, which
+makes a pdserve server abort it.
 """
 
 from __future__ import annotations
@@ -74,8 +75,10 @@ class LegReply:
 class OpenStream:
     """A leg whose response headers (status < 400) and first body chunk have arrived."""
 
-    def __init__(self, client: "LegClient", up: Upstream, resp: Http1Response, first: bytes, t0: float):
+    def __init__(self, client: "LegClient", up: Upstream, resp: Http1Response, first: bytes, t0: float,
+                 rank: int | None = None):
         self.client, self.upstream, self.resp, self.first_chunk, self._t0 = client, up, resp, first, t0
+        self._rank = rank
         self._done = False
 
     @property
@@ -105,7 +108,7 @@ class OpenStream:
         if not self._done:
             self._done = True
             self.resp.close()
-            self.client._finished(self.upstream, self._t0)
+            self.client._finished(self.upstream, self._t0, self._rank)
 
 
 class LegClient:
@@ -139,12 +142,16 @@ class LegClient:
             self._per_upstream[up.url] = latency
         return latency
 
-    def _started(self, up: Upstream) -> float:
+    def _started(self, up: Upstream, rank: int | None = None) -> float:
         up.inflight += 1
+        if rank is not None:
+            up.rank_inflight[rank] = up.rank_inflight.get(rank, 0) + 1
         return time.perf_counter()
 
-    def _finished(self, up: Upstream, t0: float) -> None:
+    def _finished(self, up: Upstream, t0: float, rank: int | None = None) -> None:
         up.inflight -= 1
+        if rank is not None:
+            up.rank_inflight[rank] -= 1
         self._latency(up).observe(time.perf_counter() - t0)
 
     def _pool(self, up: Upstream) -> Http1Pool:
@@ -175,9 +182,11 @@ class LegClient:
                         f"{up.role.value} server {up.url} failed with status {resp.status}: {message}",
                         etype or "upstream_error")
 
-    async def fetch(self, up: Upstream, path: str, data: bytes, auth: str | None = None) -> LegReply:
-        """POST and read the whole reply. `auth` overrides the Authorization header."""
-        t0 = self._started(up)
+    async def fetch(self, up: Upstream, path: str, data: bytes, auth: str | None = None,
+                    rank: int | None = None) -> LegReply:
+        """POST and read the whole reply. `auth` overrides the Authorization header; `rank` is the
+        DP rank the body pins (--dp-aware), counted in the upstream's per-rank in-flight."""
+        t0 = self._started(up, rank)
         try:
             resp = await self._post(up, path, data, auth)
             try:
@@ -190,17 +199,18 @@ class LegClient:
                 resp.close()
             return LegReply(resp.status, resp.content_type or "application/json", body)
         finally:
-            self._finished(up, t0)
+            self._finished(up, t0, rank)
 
-    async def open_stream(self, up: Upstream, path: str, data: bytes, auth: str | None = None) -> OpenStream:
+    async def open_stream(self, up: Upstream, path: str, data: bytes, auth: str | None = None,
+                          rank: int | None = None) -> OpenStream:
         """POST and wait for the headers and the first body chunk; the caller must close() it."""
-        t0 = self._started(up)
+        t0 = self._started(up, rank)
         try:
             resp = await self._post(up, path, data, auth)
         except BaseException:
-            self._finished(up, t0)
+            self._finished(up, t0, rank)
             raise
-        stream = OpenStream(self, up, resp, b"", t0)
+        stream = OpenStream(self, up, resp, b"", t0, rank)
         try:
             if resp.status >= 400:
                 raise await self._status_error(up, resp)

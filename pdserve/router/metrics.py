@@ -4,6 +4,8 @@ docs/observability.md lists every series."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
 
@@ -35,6 +37,23 @@ class RouterMetrics:
                                       ["role", "server"], registry=r)
         self.upstream_inflight = Gauge("pdserve_router_upstream_inflight", "legs open to a server",
                                        ["role", "server"], registry=r)
+        self.cache_aware_decisions = Counter(
+            "pdserve_router_cache_aware_decisions",
+            "cache_aware picks by role and outcome: matched (prefix match over --cache-threshold), "
+            "balanced (load imbalanced: least loaded), smallest_tree (no good match: most free cache)",
+            ["role", "outcome"], registry=r)
+
+    def cache_aware_recorder(self, role: str) -> Callable[[str], None]:
+        """`record(outcome)` for one role's cache_aware policy (label children resolved once)."""
+        children: dict = {}
+
+        def record(outcome: str) -> None:
+            child = children.get(outcome)
+            if child is None:
+                child = children[outcome] = self.cache_aware_decisions.labels(role, outcome)
+            child.inc()
+
+        return record
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

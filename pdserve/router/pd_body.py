@@ -114,6 +114,70 @@ def inspect_request(route: Route, body: dict) -> RequestShape:
     )
 
 
+def _is_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _token_key(ids: Any) -> tuple | None:
+    """Token ids (one list, or a batch of lists flattened in order) as a tuple; None if not ids."""
+    if not isinstance(ids, list) or not ids:
+        return None
+    if all(_is_id(x) for x in ids):
+        return tuple(ids)
+    if all(isinstance(item, list) and all(_is_id(x) for x in item) for item in ids):
+        return tuple(x for item in ids for x in item) or None
+    return None
+
+
+def _text_key(text: Any) -> str | None:
+    if isinstance(text, str):
+        return text or None
+    if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+        return " ".join(text) or None  # a batch: its items joined, as sglang-router joins prompt lists
+    return None
+
+
+def _content_text(content: Any) -> str | None:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: the text ones, joined
+        return " ".join(p["text"] for p in content
+                        if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str))
+    return None
+
+
+def _chat_text(messages: Any) -> str | None:
+    """Every message's text joined by spaces (sglang-router's extract_text_for_routing): system, user
+    (its text parts), assistant (content then reasoning_content, skipped when both are empty), tool."""
+    if not isinstance(messages, list):
+        return None
+    texts = []
+    for msg in messages:
+        if not isinstance(msg, dict):
+            continue
+        content = _content_text(msg.get("content"))
+        if msg.get("role") == "assistant":
+            reasoning = msg.get("reasoning_content")
+            reasoning = reasoning if isinstance(reasoning, str) else ""
+            if content or reasoning:
+                texts.append(f"{content or ''} {reasoning}".strip())
+        elif content is not None:
+            texts.append(content)
+    return " ".join(texts) or None
+
+
+def routing_key(route: Route, body: dict) -> str | tuple | None:
+    """What cache_aware routes on: the request's token ids as a tuple when it gives them (`input_ids`
+    on /generate, a token-id `prompt` on /v1/completions), else its text (`text`, `prompt`, or the
+    chat messages' text). None when it has neither. Never raises on odd input."""
+    if route is Route.GENERATE:
+        return _token_key(body.get("input_ids")) or _text_key(body.get("text"))
+    if route is Route.COMPLETIONS:
+        prompt = body.get("prompt")
+        return _token_key(prompt) or _text_key(prompt)
+    return _chat_text(body.get("messages"))
+
+
 class _RoomSource:
     """Random 63-bit rooms from the OS CSPRNG, drawn 4 KiB at a time (one syscall per 512 rooms)."""
 

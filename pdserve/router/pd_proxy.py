@@ -1,7 +1,8 @@
 """The PD exchange: send one client request to a prefill and a decode at once, answer with decode's.
 
 Life of one request (one PDExchange):
-1. pick a pair, mint rooms, post both legs concurrently;
+1. pick a pair (by the request's routing key when a policy needs one), mint rooms, post both legs
+   concurrently;
 2. wait until decode has answered (non-stream) or sent its headers and first chunk (stream);
    the first failing leg cancels the other and becomes the one error the client gets (a
    decode 5xx first waits briefly for the prefill, whose rejection is then the cause reported);
@@ -25,7 +26,7 @@ from .config import RouterConfig
 from .deadline import Deadline
 from .legs import LegClient, LegError, OpenStream, cancel_task, consume
 from .metrics import RouterMetrics
-from .pd_body import RequestShape, encode, leg_bodies, merge_input_logprobs, mint_rooms
+from .pd_body import RequestShape, encode, leg_bodies, merge_input_logprobs, mint_rooms, routing_key
 from .upstream import Pair, Upstream, UpstreamPool
 
 _DONE = b"data: [DONE]\n\n"
@@ -85,12 +86,13 @@ class PDExchange:
         cfg = self.p.cfg
         avoid: set[str] = set()
         last: LegError | None = None
+        key = routing_key(self.shape.route, self.body) if self.p.pool.needs_key else None
         try:
             async with Deadline(self.p.loop, cfg.request_timeout_secs) as self._timeout:
                 self._deadline = self._timeout.when
                 for attempt in range(1, cfg.max_tries + 1):
                     try:
-                        pair = self.p.pool.pick_pair(frozenset(avoid))
+                        pair = self.p.pool.pick_pair(frozenset(avoid), key)
                     except Unavailable as exc:
                         if last is None:
                             raise
@@ -140,15 +142,16 @@ class PDExchange:
 
     async def _try_pair(self, pair: Pair) -> web.StreamResponse:
         rooms = mint_rooms(self.shape.room_count)
-        dp = (pair.prefill.next_dp_rank(), pair.decode.next_dp_rank()) if self.p.cfg.dp_aware else None
+        dp = (pair.prefill_rank, pair.decode_rank) if pair.prefill_rank is not None else None
         self.where = (f"bootstrap_room={rooms}, prefill {pair.prefill.url}"
                       f"{f' dp_rank {dp[0]}' if dp else ''}, decode {pair.decode.url}{f' dp_rank {dp[1]}' if dp else ''}")
         p_body, d_body = leg_bodies(self.body, pair.prefill.bootstrap_host, pair.prefill.bootstrap_port, rooms, dp)
         path, legs, auth = self.shape.route.value, self.p.legs, self._client_auth()
         loop = self.p.loop
-        prefill = loop.create_task(legs.fetch(pair.prefill, path, p_body, auth))
+        p_rank, d_rank = dp if dp else (None, None)
+        prefill = loop.create_task(legs.fetch(pair.prefill, path, p_body, auth, p_rank))
         open_decode = legs.open_stream if self.shape.stream else legs.fetch
-        decode = loop.create_task(open_decode(pair.decode, path, d_body, auth))
+        decode = loop.create_task(open_decode(pair.decode, path, d_body, auth, d_rank))
         try:
             await self._until_decode_answers(prefill, decode)
         except LegError as err:
