@@ -21,7 +21,7 @@ real engine's semantics where the roles depend on them:
 - `leaks()` says which pages are not back (held, reserved, owned by a request, or lost).
 
 Importing this module does not import torch (pdserve.engine.* does), so it carries its own
-copy of `StepOutput`, field for field the engine's (tests/test_worker_roles.py checks that).
+copy of `StepOutput`, field for field the engine's (tests/disagg/test_worker_roles.py checks that).
 Requests are duck-typed: anything with the fields of `pdserve.engine.sequence.EngineRequest`.
 """
 

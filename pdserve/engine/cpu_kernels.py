@@ -86,7 +86,7 @@ class PagedAttentionKernel:
     # TILE_TWO_PASS (the default): HF's rounding points, probabilities normalised before they
     # round to bf16, as the per-query path and HF's eager attention; 0: online softmax, ~1.5x
     # faster but it rounds before normalising, which flipped a greedy answer of the default
-    # model in bf16 (tests/test_up.py); TILE_FORCE: no cost model; bits 1-2: rows per block in
+    # model in bf16 (tests/e2e/test_up.py); TILE_FORCE: no cost model; bits 1-2: rows per block in
     # units of 48, minus one
     tile_flags: int = TILE_TWO_PASS
 

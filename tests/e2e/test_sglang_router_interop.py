@@ -1,0 +1,132 @@
+"""Interop: sglang-router 0.3.2 (the router users already run) in front of pdserve prefill/decode
+servers answers like the colocated server under greedy sampling. Skipped if it is not installed.
+
+sglang-router probes /health, /server_info and /model_info and wants a local `model_path`; it
+mints the rooms and sends the same body to both legs, with no DP rank of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from cluster import ROOT, Server, free_port  # noqa: E402
+from tiny_model import make_tiny_model  # noqa: E402
+
+pytest.importorskip("sglang_router")
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+GREEDY = {"max_new_tokens": 12, "temperature": 0}
+PROMPTS = ["Hello world", "The capital of France is"]
+CHAT = {"model": "tiny", "max_tokens": 10, "temperature": 0,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+
+
+class SglangRouter:
+    """`python -m sglang_router.launch_router --pd-disaggregation ...` in its own process group."""
+
+    def __init__(self, prefill: Server, decode: Server, log_dir: str):
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+               "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url,
+               "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-host", "127.0.0.1",
+               "--prometheus-port", str(free_port()), "--policy", "round_robin", "--log-level", "warn"]
+        self.log_path = os.path.join(log_dir, f"sglang-router-{self.port}.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     start_new_session=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_serving(self, timeout: float = 90.0) -> "SglangRouter":
+        """Until a /generate goes through (it adds the workers after its own start-up checks)."""
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sglang-router exited ({self.proc.returncode}):\n{self.tail()}")
+            try:
+                r = httpx.post(self.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}},
+                               timeout=30)
+                if r.status_code == 200:
+                    return self
+                last = f"{r.status_code} {r.text[:300]}"
+            except httpx.HTTPError as e:
+                last = repr(e)
+            time.sleep(0.3)
+        raise RuntimeError(f"sglang-router never served /generate (last: {last}):\n{self.tail()}")
+
+    def tail(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-3000:]
+
+    def stop(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if self.proc.poll() is not None:
+                break
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(timeout=10)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def interop(tmp_path_factory):
+    """(colocated, prefill dp 2, decode dp 1, sglang-router), all serving."""
+    workdir = str(tmp_path_factory.mktemp("sglang_interop"))
+    model = make_tiny_model(os.path.join(workdir, "tiny"))
+    servers = [Server("colocated", model, log_dir=workdir), Server("prefill", model, dp=2, log_dir=workdir),
+               Server("decode", model, log_dir=workdir)]
+    router = None
+    try:
+        for s in servers:
+            s.wait_ready()
+        router = SglangRouter(servers[1], servers[2], workdir).wait_serving()
+        yield (*servers, router)
+    finally:
+        if router is not None:
+            router.stop()
+        for s in servers:
+            s.stop()
+
+
+def test_generate_through_sglang_router_equals_colocated(interop):
+    colo, prefill, decode, router = interop
+    for prompt in PROMPTS:
+        ref = httpx.post(colo.url + "/generate", json={"text": prompt, "sampling_params": GREEDY}, timeout=60).json()
+        r = httpx.post(router.url + "/generate", json={"text": prompt, "sampling_params": GREEDY}, timeout=60)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["output_ids"] == ref["output_ids"] and out["text"] == ref["text"]
+        assert out["meta_info"]["dp_rank_path"] in ("fast", "single")  # its room, our DP rules
+    prefill.wait_idle()
+    decode.wait_idle()
+
+
+def test_chat_through_sglang_router_equals_colocated(interop):
+    colo, prefill, decode, router = interop
+    ref = httpx.post(colo.url + "/v1/chat/completions", json=CHAT, timeout=60).json()
+    text = ref["choices"][0]["message"]["content"]
+    r = httpx.post(router.url + "/v1/chat/completions", json=CHAT, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == text and text
+    assert r.json()["usage"] == ref["usage"]
+    s = httpx.post(router.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=60)
+    assert s.status_code == 200, s.text
+    data = [ln[len("data: "):] for ln in s.text.splitlines() if ln.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices")) == text
+    prefill.wait_idle()
+    decode.wait_idle()
