@@ -138,7 +138,9 @@ def main(argv=None) -> None:
     from ..model_files.resolve import resolve_model
 
     model = resolve_model(a.model, Envs.read().cache_dir)
-    common = ["--model", model, "--dtype", a.dtype, "--max-total-tokens", "16384", "--num-threads", "1"]
+    # prefix cache off: every setup sends the same prompt in turn, and a cached one would skip its prefill
+    common = ["--model", model, "--dtype", a.dtype, "--max-total-tokens", "16384", "--num-threads", "1",
+              "--disable-prefix-cache"]
     procs = [_Proc(["--role", "colocated", *common]), _Proc(["--role", "prefill", "--dp-size", "2", *common]),
              _Proc(["--role", "prefill", "--dp-size", "2", "--load-balance-method", a.balanced_method, *common])]
     procs += [_Proc(["--role", "decode", *common]),

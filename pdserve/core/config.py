@@ -57,6 +57,10 @@ class ServerConfig:
         "decode: prefill a PD request on this decode instead, and tell its prefill to drop the room, "
         "when at most this many of its prompt tokens are missing from this decode's prefix cache "
         "(conditional disaggregation; 0 = always use the prefill)", default=0)
+    disagg_prefill_overload_tokens: int = _opt(
+        "decode: also prefill a PD request here when its prefill server last reported more than this "
+        "many prompt tokens queued or in flight (bootstrap /health, read on each heartbeat; 0 = never)",
+        default=0)
     context_length: int = _opt("max prompt + output tokens (0 = the model's)", default=0)
     cpu_kernels: str = _opt("bfloat16 on CPU: auto (our AVX-512 BF16 C kernels for attention, "
                             "norms and RoPE, built with gcc at first use, where the CPU has it) or "
@@ -89,10 +93,12 @@ class ServerConfig:
 
         for rank in range(max(1, self.dp_size)):  # a bad --cpu-bind fails at start-up, naming it
             rank_cpus(self.cpu_bind, rank, max(1, self.dp_size))
-        if self.disagg_local_prefill_max_tokens and Role(self.role) is not Role.DECODE:
-            raise ValueError("--disagg-local-prefill-max-tokens applies to --role decode only")
-        if self.disagg_local_prefill_max_tokens < 0:
-            raise ValueError("--disagg-local-prefill-max-tokens must be >= 0")
+        for name in ("disagg_local_prefill_max_tokens", "disagg_prefill_overload_tokens"):
+            flag = _flag(name)
+            if getattr(self, name) and Role(self.role) is not Role.DECODE:
+                raise ValueError(f"{flag} applies to --role decode only")
+            if getattr(self, name) < 0:
+                raise ValueError(f"{flag} must be >= 0")
         if self.chunked_prefill_size < 1:
             raise ValueError(f"--chunked-prefill-size must be >= 1, got {self.chunked_prefill_size}")
         if self.max_num_batched_tokens and self.max_num_batched_tokens <= self.max_running_requests:

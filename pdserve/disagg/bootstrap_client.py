@@ -1,17 +1,14 @@
-"""Synchronous client of a prefill's bootstrap service, for worker threads.
+"""Synchronous HTTP client of a prefill's bootstrap service, for worker threads; it keeps no
+state about the servers it talks to (the decode's PrefillPeers does).
 
 Addresses are "host:port" strings (see `bootstrap_addr`). Every call has a deadline; a failure
-raises BootstrapError naming the address and the cause. Topologies and rank endpoints are
-cached per address; a topology or /health reply with a new instance_id (the prefill restarted on
-the same port) drops what was cached for that address. `get_topology(max_age_s=...)` first asks
-/health when the address has been silent for longer, so a restart is noticed before the stale
-endpoints are used.
+raises BootstrapError naming the address and the cause.
 """
 
 from __future__ import annotations
 
-import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import httpx
@@ -20,7 +17,7 @@ from ..core.errors import HandoffFailed
 from ..core.pd_vocab import DEFAULT_BOOTSTRAP_PORT, bootstrap_addr
 from .bootstrap_table import RankInfo, Topology
 
-__all__ = ["DEFAULT_BOOTSTRAP_PORT", "BootstrapClient", "BootstrapError", "bootstrap_addr"]
+__all__ = ["DEFAULT_BOOTSTRAP_PORT", "BootstrapClient", "BootstrapError", "Health", "bootstrap_addr"]
 _RETRY_PAUSE_S = 0.05
 T = TypeVar("T")
 
@@ -40,8 +37,17 @@ def _error_message(resp: httpx.Response) -> str:
         return resp.text[:200]
 
 
+@dataclass(frozen=True)
+class Health:
+    """A /health answer: the service's instance id and the ranks whose worker died."""
+
+    instance_id: str
+    gone_ranks: dict[int, str]
+    load_tokens: int | None = None  # prompt tokens queued or in flight there (None: not reported)
+
+
 class BootstrapClient:
-    """Talks to any number of bootstrap services; thread-safe."""
+    """Talks to any number of bootstrap services; thread-safe (httpx.Client is)."""
 
     def __init__(self, *, timeout: float = 10.0, token: str = "",
                  clock: Callable[[], float] = time.monotonic):
@@ -49,12 +55,6 @@ class BootstrapClient:
         self._clock = clock
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(headers=headers, trust_env=False)
-        self._lock = threading.Lock()
-        self._topologies: dict[str, Topology] = {}
-        self._endpoints: dict[tuple[str, int], RankInfo] = {}
-        self._instances: dict[str, str] = {}  # addr -> last instance_id seen
-        self._gone: dict[str, dict[int, str]] = {}  # addr -> dead ranks in its last /health answer
-        self._heard: dict[str, float] = {}  # addr -> when it last answered 200
 
     def close(self) -> None:
         self._http.close()
@@ -79,8 +79,6 @@ class BootstrapClient:
         if resp.status_code != 200:
             raise BootstrapError(f"bootstrap {addr}: {method} {path} answered {resp.status_code}: "
                                  f"{_error_message(resp)}", resp.status_code)
-        with self._lock:
-            self._heard[addr] = self._clock()
         try:
             return resp.json()
         except ValueError as e:
@@ -124,43 +122,19 @@ class BootstrapClient:
         self._json("POST", addr, "/drop_room", timeout=self.timeout,
                    json={"bootstrap_room": room, "reason": reason})
 
-    def get_topology(self, addr: str, *, deadline_s: float | None = None,
-                     max_age_s: float | None = None) -> Topology:
-        """The cached topology of `addr`, fetched (retrying on 503 until `deadline_s`) on a miss.
-        With `max_age_s`, an address silent for longer is asked for /health first (a new instance
-        drops the cache; no answer keeps it, and using it fails on its own)."""
-        with self._lock:
-            cached = self._topologies.get(addr)
-            silent = self._clock() - self._heard.get(addr, float("-inf"))
-        if cached is not None and max_age_s is not None and silent > max_age_s:
-            self.health(addr, timeout=self.timeout if deadline_s is None else min(self.timeout, deadline_s))
-            with self._lock:
-                cached = self._topologies.get(addr)
-        if cached is not None:
-            return cached
+    def fetch_topology(self, addr: str, *, deadline_s: float | None = None) -> Topology:
+        """GET /route?prefill_dp_rank=-1, retrying on no answer or 503 until `deadline_s`."""
         body = self._retrying(f"fetching the topology of {addr}", addr,
                               self.timeout if deadline_s is None else deadline_s,
                               lambda t: self._json("GET", addr, "/route?prefill_dp_rank=-1", timeout=t))
-        topo = self._parse(addr, Topology.from_json, body)
-        with self._lock:
-            self._note_instance(addr, topo.instance_id)
-            self._topologies[addr] = topo
-        return topo
+        return self._parse(addr, Topology.from_json, body)
 
-    def get_rank_endpoint(self, addr: str, rank: int) -> RankInfo:
-        """Rank `rank`'s registration at `addr` (its transfer endpoint), cached."""
-        with self._lock:
-            cached = self._endpoints.get((addr, rank))
-        if cached is not None:
-            return cached
+    def fetch_rank(self, addr: str, rank: int) -> tuple[RankInfo, str]:
+        """Rank `rank`'s registration at `addr` and the service's instance id ("" if none)."""
         body = self._json("GET", addr, f"/route?prefill_dp_rank={rank}", timeout=self.timeout)
         info = self._parse(addr, RankInfo.from_json, body)
         instance = body.get("instance_id") if isinstance(body, dict) else None
-        with self._lock:
-            if isinstance(instance, str):
-                self._note_instance(addr, instance)
-            self._endpoints[(addr, rank)] = info
-        return info
+        return info, instance if isinstance(instance, str) else ""
 
     def query_dp_ranks(self, addr: str, rooms: list[int]) -> tuple[dict[int, int], dict[int, str]]:
         """One POST /query_dp_ranks: (found: room -> rank, failed: room -> reason); absent = not yet."""
@@ -175,9 +149,8 @@ class BootstrapClient:
             raise BootstrapError(f"bootstrap {addr}: malformed /query_dp_ranks reply: {e!r}") from e
         return found, failed
 
-    def health(self, addr: str, *, timeout: float | None = None) -> str | None:
-        """The service's instance_id, or None if it does not answer healthily. A new instance_id
-        drops what was cached for `addr`."""
+    def health(self, addr: str, *, timeout: float | None = None) -> Health | None:
+        """GET /health, or None if the service does not answer healthily."""
         try:
             body = self._json("GET", addr, "/health", timeout=timeout or self.timeout)
         except BootstrapError:
@@ -185,35 +158,12 @@ class BootstrapClient:
         instance = body.get("instance_id") if isinstance(body, dict) else None
         if not isinstance(instance, str):
             return None
-        gone = body.get("gone_ranks")
-        with self._lock:
-            self._note_instance(addr, instance)
-            try:
-                self._gone[addr] = {int(k): str(v) for k, v in (gone or {}).items()}
-            except (AttributeError, TypeError, ValueError):
-                self._gone[addr] = {}
-        return instance
-
-    def gone_ranks(self, addr: str) -> dict[int, str]:
-        """DP ranks of `addr` whose worker died, as its last /health answer listed them."""
-        with self._lock:
-            return dict(self._gone.get(addr, {}))
-
-    def invalidate(self, addr: str) -> None:
-        """Forget the topology and rank endpoints cached for `addr`."""
-        with self._lock:
-            self._drop(addr)
-
-    def _note_instance(self, addr: str, instance_id: str) -> None:
-        if self._instances.get(addr, instance_id) != instance_id:
-            self._drop(addr)
-        self._instances[addr] = instance_id
-
-    def _drop(self, addr: str) -> None:
-        self._topologies.pop(addr, None)
-        self._instances.pop(addr, None)
-        for key in [k for k in self._endpoints if k[0] == addr]:
-            del self._endpoints[key]
+        try:
+            gone = {int(k): str(v) for k, v in (body.get("gone_ranks") or {}).items()}
+        except (AttributeError, TypeError, ValueError):
+            gone = {}
+        load = body.get("load_tokens")
+        return Health(instance, gone, load if isinstance(load, int) and not isinstance(load, bool) else None)
 
     @staticmethod
     def _parse(addr: str, parse: Callable[[object], T], body: object) -> T:

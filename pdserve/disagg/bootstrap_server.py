@@ -5,7 +5,8 @@ rank's endpoint; 503 until every rank registered, or when that rank's worker is 
 /register_dp_rank, POST /query_dp_ranks, POST /fail_room (a decode that cannot take a room's
 KV, e.g. on another transfer backend, says so: the prefill frees it now, not at its bootstrap
 deadline), POST /drop_room (the decode prefilled the room itself: the prefill ends it with a
-success and moves nothing), GET /health (instance_id; gone_ranks when a worker died). Runs on its own port
+success and moves nothing), GET /health (instance_id; gone_ranks when a worker died; load_tokens, the prompt tokens the
+prefill has queued or in flight, when the front gives it). Runs on its own port
 inside the prefill front's event loop (`start_bootstrap_server`) or, for tests and tools, on a
 thread of its own (`ThreadedBootstrap`).
 
@@ -69,7 +70,8 @@ async def _json_object(request: web.Request) -> dict:
 
 def make_bootstrap_app(table: BootstrapTable, *, token: str = "",
                        on_room_failed: Callable[[int, str], None] | None = None,
-                       on_room_dropped: Callable[[int, str], None] | None = None) -> web.Application:
+                       on_room_dropped: Callable[[int, str], None] | None = None,
+                       load_tokens: Callable[[], int] | None = None) -> web.Application:
     """The bootstrap service over `table`. With `token`, the write routes need the Bearer token.
     `on_room_failed(room, reason)` handles POST /fail_room (default: record it failed in `table`),
     `on_room_dropped(room, reason)` POST /drop_room (default: forget the room)."""
@@ -134,6 +136,8 @@ def make_bootstrap_app(table: BootstrapTable, *, token: str = "",
 
     async def health(request: web.Request) -> web.Response:
         reply: dict = {"status": "ok", "instance_id": table.instance_id}
+        if load_tokens is not None:  # what a decode weighs before prefilling a request itself
+            reply["load_tokens"] = load_tokens()
         gone = table.gone_ranks()
         if gone:  # the service is up but these ranks' workers died
             reply["gone_ranks"] = {str(rank): why for rank, why in gone.items()}
@@ -163,10 +167,12 @@ class RunningBootstrap:
 
 async def start_bootstrap_server(table: BootstrapTable, host: str, port: int, *, token: str = "",
                                  on_room_failed: Callable[[int, str], None] | None = None,
-                                 on_room_dropped: Callable[[int, str], None] | None = None) -> RunningBootstrap:
+                                 on_room_dropped: Callable[[int, str], None] | None = None,
+                                 load_tokens: Callable[[], int] | None = None) -> RunningBootstrap:
     """Serve the bootstrap app on host:port in the running event loop."""
     runner = web.AppRunner(make_bootstrap_app(table, token=token, on_room_failed=on_room_failed,
-                                              on_room_dropped=on_room_dropped), access_log=None)
+                                              on_room_dropped=on_room_dropped, load_tokens=load_tokens),
+                           access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:

@@ -1,10 +1,11 @@
 """Decode side: watch the bootstrap /health of every prefill server with rooms in flight.
 
-A server that misses `max_failures` beats in a row is reported through `on_gone(addr, reason)`,
-and DP ranks whose worker died (its /health lists them) through `on_gone(addr, reason,
-ranks=...)`. Every answer is reported through `on_alive(addr, instance_id)`: the receiver knows
-which instance each room was resolved against, so a restart fails exactly the rooms the old
-instance held, however long the decode was idle before it (no instance is remembered here).
+Each beat goes through PrefillPeers, which records the answer (instance, gone ranks, load) or
+counts a miss. A server that misses `max_failures` beats in a row is reported through
+`on_gone(addr, reason)`, and DP ranks whose worker died (its /health lists them) through
+`on_gone(addr, reason, ranks=...)`. Every answer is reported through `on_alive(addr,
+instance_id)`: the receiver knows which instance each room was resolved against, so a restart
+fails exactly the rooms the old instance held, however long the decode was idle before it.
 """
 
 from __future__ import annotations
@@ -13,24 +14,22 @@ import logging
 import threading
 from typing import Callable
 
-from .bootstrap_client import BootstrapClient
+from .prefill_peers import PrefillPeers
 
 log = logging.getLogger(__name__)
 
 
 class Heartbeat:
-    def __init__(self, client: BootstrapClient, *, interval: float, max_failures: int,
+    def __init__(self, peers: PrefillPeers, *, interval: float, max_failures: int,
                  watched: Callable[[], set[str]], on_gone: Callable[..., None],
-                 on_alive: Callable[[str, str], None] = lambda addr, instance: None,
-                 gone_ranks: Callable[[str], dict[int, str]] = lambda addr: {}):
-        self.client = client
-        self.gone_ranks = gone_ranks  # the dead ranks in addr's last /health answer
+                 on_alive: Callable[[str, str], None] = lambda addr, instance: None):
+        self.peers = peers
         self.interval = interval
         self.max_failures = max(1, max_failures)
         self.watched = watched  # thread-safe snapshot of addresses with rooms in flight
         self.on_gone = on_gone
         self.on_alive = on_alive
-        self.misses: dict[str, int] = {}
+        self._watched_before: set[str] = set()
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name="pd-heartbeat", daemon=True)
         self.thread.start()
@@ -43,26 +42,25 @@ class Heartbeat:
                 log.exception("heartbeat round failed")
 
     def beat_all(self) -> None:
-        """One beat to every watched address; misses of addresses no longer watched are forgotten."""
+        """One beat to every watched address; an address no longer watched starts from 0 misses."""
         addrs = self.watched()
-        for addr in list(self.misses):
-            if addr not in addrs:
-                del self.misses[addr]
         for addr in addrs:
             self.beat(addr)
+        self._watched_before, unwatched = addrs, self._watched_before - addrs
+        for addr in unwatched:
+            self.peers.reset_misses(addr)
 
     def beat(self, addr: str) -> None:
-        inst = self.client.health(addr, timeout=min(self.interval, 5.0))
-        if inst is None:
-            n = self.misses[addr] = self.misses.get(addr, 0) + 1
+        health = self.peers.beat(addr, timeout=min(self.interval, 5.0))
+        if health is None:
+            n = self.peers.misses(addr)
             if n >= self.max_failures:
-                self.misses[addr] = 0
+                self.peers.reset_misses(addr)
                 self.on_gone(addr, f"prefill bootstrap {addr} missed {n} heartbeats "
                                    f"({self.interval:.1f}s apart): prefill server is gone")
             return
-        self.misses[addr] = 0
-        self.on_alive(addr, inst)
-        gone = self.gone_ranks(addr)
+        self.on_alive(addr, health.instance_id)
+        gone = health.gone_ranks
         if gone:
             self.on_gone(addr, "; ".join(f"prefill {addr} dp_rank {rank} is gone: {why}"
                                          for rank, why in sorted(gone.items())), ranks=frozenset(gone))

@@ -19,7 +19,7 @@ from typing import Callable
 from ..core.errors import PDServeError
 from ..core.failures import FailureCause, rejection_cause
 from ..core.pd_vocab import MAX_QUERY_ROOMS
-from .bootstrap_client import BootstrapClient
+from .prefill_peers import PrefillPeers
 from .bootstrap_table import RankInfo
 from .dp_rules import resolve_prefill_rank
 
@@ -52,9 +52,9 @@ class QueryBatcher:
     do not wait on each other: a slow or unreachable one holds up only its own rooms. A worker
     lingers QUERY_IDLE_S once its server has nothing pending, then exits (no polling)."""
 
-    def __init__(self, client: BootstrapClient,
+    def __init__(self, peers: PrefillPeers,
                  on_answer: Callable[[str, int, int | None, str | None, FailureCause], None]):
-        self.client = client
+        self.peers = peers
         self.on_answer = on_answer  # (addr, room, rank, error, cause)
         self.pending: dict[str, dict[int, float]] = {}  # addr -> room -> deadline
         self._lock = threading.Lock()
@@ -115,7 +115,7 @@ class QueryBatcher:
         for i in range(0, len(order), MAX_QUERY_ROOMS):  # the service refuses longer lists
             chunk = order[i:i + MAX_QUERY_ROOMS]
             try:
-                found, failed = self.client.query_dp_ranks(addr, chunk)
+                found, failed = self.peers.query_dp_ranks(addr, chunk)
                 err = None
             except PDServeError as e:
                 found, failed, err = {}, {}, e.message
@@ -171,10 +171,10 @@ class QueryBatcher:
 
 
 class RankResolver:
-    def __init__(self, client: BootstrapClient, *, decode_force: bool, topology_timeout: float,
+    def __init__(self, peers: PrefillPeers, *, decode_force: bool, topology_timeout: float,
                  query_timeout: float, on_result: Callable[[Resolved], None], threads: int = 4,
                  revalidate_after: float | None = None):
-        self.client = client
+        self.peers = peers
         self.decode_force = decode_force
         self.topology_timeout = topology_timeout
         # a topology cached longer than this without word from its server is checked (/health)
@@ -183,7 +183,7 @@ class RankResolver:
         self.query_timeout = query_timeout
         self.on_result = on_result
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="resolve")
-        self.batcher = QueryBatcher(client, self._on_query_answer)
+        self.batcher = QueryBatcher(peers, self._on_query_answer)
         self._started: dict[tuple[str, int], float] = {}
         self._instances: dict[tuple[str, int], tuple[str, float]] = {}  # query path: (instance, topology_at)
         self._lock = threading.Lock()
@@ -201,7 +201,7 @@ class RankResolver:
 
     def _job(self, addr: str, room: int, hint: int | None) -> None:
         try:
-            topo = self.client.get_topology(addr, deadline_s=self.topology_timeout,
+            topo = self.peers.topology(addr, deadline_s=self.topology_timeout,
                                             max_age_s=self.revalidate_after)
             topology_at = time.time()
             res = resolve_prefill_rank(topology=topo, hint=hint, room=room,
@@ -231,7 +231,7 @@ class RankResolver:
     def _lookup(self, addr: str, room: int, rank: int, path: str, instance_id: str,
                 topology_at: float = 0.0) -> None:
         try:
-            info = self.client.get_rank_endpoint(addr, rank)
+            info = self.peers.endpoint(addr, rank)
         except Exception as e:  # noqa: BLE001 - every room gets an answer
             return self._finish(Resolved(room, addr, rank, path, instance_id=instance_id,
                                          error=f"room {room}: prefill {addr} dp_rank {rank}: "

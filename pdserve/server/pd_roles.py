@@ -76,6 +76,7 @@ class PrefillFrontRole(FrontRole):
         self.bootstrap = None
         self.notify = lambda rank, msg: False
         self.claims: dict[int, tuple[str, int]] = {}  # room -> (rid, dp_rank) of items in flight
+        self.claim_tokens: dict[int, int] = {}  # room -> its prompt tokens
 
     async def start(self, ctx: RoleContext) -> None:
         self.notify = ctx.send_to_worker  # RoomFailedNotice to the rank a rejected room implies
@@ -83,7 +84,8 @@ class PrefillFrontRole(FrontRole):
     async def before_workers(self) -> None:
         self.bootstrap = await start_bootstrap_server(self.table, self.cfg.host, self.cfg.bootstrap_port,
                                                       token=self.token, on_room_failed=self.fail_room,
-                                                      on_room_dropped=self.drop_room)
+                                                      on_room_dropped=self.drop_room,
+                                                      load_tokens=self.load_tokens)
         log.info("bootstrap service on %s:%d", self.cfg.host, self.bootstrap.port)
         if not self.token and self.cfg.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("bootstrap service on %s without --bootstrap-token: anyone who reaches it can "
@@ -113,7 +115,12 @@ class PrefillFrontRole(FrontRole):
         if d.rank != room % dp:  # a decode that cannot know the rank sends its KV request there
             self._tell_home(room, d.rank)
         self.claims[room] = (item.rid, d.rank)
+        self.claim_tokens[room] = len(item.input_ids)
         return Dispatch(d.rank, d.path, pd)
+
+    def load_tokens(self) -> int:
+        """Prompt tokens of the PD requests in flight here (bootstrap /health reports it)."""
+        return sum(self.claim_tokens.values())
 
     def _tell_home(self, room: int, rank: int) -> None:
         try:
@@ -138,6 +145,7 @@ class PrefillFrontRole(FrontRole):
             if owner is not None and owner[0] != it.rid:
                 continue  # a duplicate of a live room: refusing this item must not fail that one
             self.claims.pop(room, None)
+            self.claim_tokens.pop(room, None)
             if room == culprit or (culprit is None and f"room {room}" in reason):
                 why = reason
             elif culprit is None:
@@ -150,7 +158,10 @@ class PrefillFrontRole(FrontRole):
         """A finished room is no longer in flight here; a successful one is forgotten by the
         bootstrap table now (its decode has its KV), a failed one stays until its TTL so that a
         late query or kv_req for it fails at once."""
-        if _release_claim(self.claims, rid, dispatch) and ok:
+        if not _release_claim(self.claims, rid, dispatch):
+            return
+        self.claim_tokens.pop(dispatch.pd.bootstrap_room, None)  # type: ignore[union-attr]
+        if ok:
             self.table.forget(dispatch.pd.bootstrap_room)  # type: ignore[union-attr]
 
     def fail_room(self, room: int, reason: str) -> None:

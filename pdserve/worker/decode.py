@@ -13,6 +13,7 @@ from ..core.messages import GenerateReq, TokenOutput
 from ..disagg.bootstrap_client import BootstrapClient, bootstrap_addr
 from ..disagg.heartbeat import Heartbeat
 from ..disagg.kv_receiver import DecodeReceiver, Reservation
+from ..disagg.prefill_peers import PrefillPeers
 from ..disagg.rank_resolver import RankResolver
 from ..engine.sequence import EngineRequest
 from .colocated import ColocatedRole
@@ -31,21 +32,22 @@ class DecodeRole(WorkerRole):
                                       token=cfg.bootstrap_token or envs.bootstrap_token)
         self.pending: dict[int, GenerateReq] = {}  # room -> request, until its KV arrived
         self.rooms: dict[str, int] = {}  # rid -> room
+        self.peers = PrefillPeers(self.client)  # all this decode knows of each prefill server
         self.receiver = DecodeReceiver(
             self.backend, self.dp_rank, self.local, resolve=self._resolve, cancel_resolve=self._cancel,
             reserve=self._reserve, waiting_timeout=envs.waiting_timeout, wake=self.ctx.wake,
-            invalidate=self.client.invalidate, give_up=self._give_up)
+            invalidate=self.peers.invalidate, give_up=self._give_up)
         self.resolver = RankResolver(
-            self.client, decode_force=cfg.force_query_prefill_dp_rank or envs.force_query_prefill_dp_rank,
+            self.peers, decode_force=cfg.force_query_prefill_dp_rank or envs.force_query_prefill_dp_rank,
             topology_timeout=envs.topology_timeout, query_timeout=envs.dp_rank_query_timeout,
             on_result=self.receiver.on_resolved, revalidate_after=envs.heartbeat_interval)
-        self.heartbeat = Heartbeat(self.client, interval=envs.heartbeat_interval,
+        self.heartbeat = Heartbeat(self.peers, interval=envs.heartbeat_interval,
                                    max_failures=envs.heartbeat_max_failure,
                                    watched=self.receiver.watched, on_gone=self.receiver.on_gone,
-                                   on_alive=self.receiver.on_alive,
-                                   gone_ranks=self.client.gone_ranks)
+                                   on_alive=self.receiver.on_alive)
         self.pump = MessagePump(self.backend, self.ctx.wake)
         self.local_max = cfg.disagg_local_prefill_max_tokens
+        self.overload = cfg.disagg_prefill_overload_tokens
         self.local_meta: dict[str, dict] = {}  # rid -> meta for the first output of a local prefill
         return {"transfer_endpoint": self.local["endpoint"]}
 
@@ -82,17 +84,31 @@ class DecodeRole(WorkerRole):
         except PDServeError as e:
             status = 400 if e.status == 500 else e.status
             return [error_output(req.rid, status, e.message, e.type)]
-        if self.local_max:
-            missing = len(req.input_ids) - self.engine.cached_prefix_tokens(req.input_ids)
-            if missing <= self.local_max:
-                return self._prefill_here(req, missing)
+        why = self._prefill_here_because(req)
+        if why is not None:
+            return self._prefill_here(req, *why)
         self.pending[room] = req
         self.rooms[req.rid] = room
         self.receiver.accept(room, req.rid, bootstrap_addr(req.pd.bootstrap_host, req.pd.bootstrap_port),
                              len(req.input_ids), req.pd.prefill_dp_rank)
         return []
 
-    def _prefill_here(self, req: GenerateReq, missing: int) -> list[TokenOutput]:
+    def _prefill_here_because(self, req: GenerateReq) -> tuple[int, str] | None:
+        """(missing tokens, why) when this decode should prefill `req` itself, else None."""
+        if not (self.local_max or self.overload):
+            return None
+        missing = len(req.input_ids) - self.engine.cached_prefix_tokens(req.input_ids)
+        if self.local_max and missing <= self.local_max:
+            return missing, (f"{missing} prompt tokens not in its cache, --disagg-local-prefill-max-tokens "
+                             f"{self.local_max}")
+        load = self.peers.load_tokens(bootstrap_addr(req.pd.bootstrap_host, req.pd.bootstrap_port)) \
+            if self.overload else None
+        if load is not None and load > self.overload:
+            return missing, (f"the prefill reported {load} prompt tokens in flight, "
+                             f"--disagg-prefill-overload-tokens {self.overload}")
+        return None
+
+    def _prefill_here(self, req: GenerateReq, missing: int, why: str) -> list[TokenOutput]:
         """Conditional disaggregation: this decode computes the prompt itself (only `missing`
         tokens are not in its prefix cache) and tells the prefill to drop the room."""
         room = req.pd.bootstrap_room
@@ -100,9 +116,9 @@ class DecodeRole(WorkerRole):
         if out:  # refused by the engine: the prefill leg must not wait for us either
             return out
         self.local_meta[req.rid] = {"disaggregation": "local", "bootstrap_room": room,
-                                    "decode_dp_rank": self.dp_rank, "local_prefill_tokens": missing}
-        reason = (f"decode dp_rank {self.dp_rank} prefilled it ({missing} prompt tokens not in its "
-                  f"cache, --disagg-local-prefill-max-tokens {self.local_max})")
+                                    "decode_dp_rank": self.dp_rank, "local_prefill_tokens": missing,
+                                    "local_prefill_reason": why}
+        reason = f"decode dp_rank {self.dp_rank} prefilled it ({why})"
         addr = bootstrap_addr(req.pd.bootstrap_host, req.pd.bootstrap_port)
         self.receiver.pool.submit(self._drop_room, addr, room, reason)
         return []

@@ -11,6 +11,7 @@ import pytest
 
 from pdserve.core.errors import BadRequest, Unavailable
 from pdserve.disagg.bootstrap_client import BootstrapClient, BootstrapError, bootstrap_addr
+from pdserve.disagg.prefill_peers import PrefillPeers
 from pdserve.disagg.bootstrap_server import MAX_QUERY_ROOMS, ThreadedBootstrap
 from pdserve.disagg.bootstrap_table import BootstrapTable, RankInfo
 
@@ -182,24 +183,24 @@ def test_503_until_all_ranks_then_topology(serve, client, http):
     client.register_rank(srv.addr, rank_info(0), deadline_s=5)
     assert http.get(f"http://{srv.addr}/route?prefill_dp_rank=0").status_code == 503
     with pytest.raises(BootstrapError, match=f"topology of {srv.addr}.*503") as e:
-        client.get_topology(srv.addr, deadline_s=0.2)
+        client.fetch_topology(srv.addr, deadline_s=0.2)
     assert e.value.http_status == 503
     client.register_rank(srv.addr, rank_info(1), deadline_s=5)
-    topo = client.get_topology(srv.addr)
+    topo = client.fetch_topology(srv.addr)
     assert topo == table.topology()
     assert topo.dp_size == 2 and topo.follow_bootstrap_room and not topo.force_query_dp_rank
     body = http.get(f"http://{srv.addr}/route?prefill_dp_rank=1").json()
     assert (body["rank_ip"], body["rank_port"]) == ("127.0.0.1", 20001)
     assert body["endpoint"] == {"kind": "tcp", "port": 20001}
-    assert client.get_rank_endpoint(srv.addr, 1) == rank_info(1)
-    assert client.health(srv.addr) == table.instance_id
+    assert client.fetch_rank(srv.addr, 1) == (rank_info(1), table.instance_id)
+    assert client.health(srv.addr).instance_id == table.instance_id
 
 
 def test_topology_fetch_waits_for_registration(serve, client):
     table = BootstrapTable(dp_size=1)
     srv = serve(table)
     got = []
-    t = threading.Thread(target=lambda: got.append(client.get_topology(srv.addr, deadline_s=20)))
+    t = threading.Thread(target=lambda: got.append(client.fetch_topology(srv.addr, deadline_s=20)))
     t.start()
     table.register_rank(rank_info(0, dp_size=1))
     t.join(timeout=30)
@@ -330,24 +331,29 @@ def test_fail_room_reaches_the_handler_naming_the_room(serve, client):
     assert table.lookup([44]) == ({}, {44: "the decode side gave up the room: room 44: gone"})
 
 
-def test_restarted_prefill_invalidates_cache(serve, client):
+def test_restarted_prefill_invalidates_what_the_decode_knew(serve, client):
+    """PrefillPeers is the decode's one owner of what it knows per prefill address: a new
+    instance id in any answer drops the topology and endpoints of the old one."""
+    peers = PrefillPeers(client)
     old = BootstrapTable(dp_size=1, instance_id="old")
     old.register_rank(rank_info(0, dp_size=1))
     srv = serve(old)
     addr, port = srv.addr, srv.port
-    assert client.get_topology(addr).instance_id == "old"
-    assert client.get_rank_endpoint(addr, 0).rank_port == 20000
+    assert peers.topology(addr).instance_id == "old"
+    assert peers.endpoint(addr, 0).rank_port == 20000
     srv.stop()
-    assert client.health(addr) is None
+    assert peers.beat(addr) is None and peers.misses(addr) == 1
     new = BootstrapTable(dp_size=1, instance_id="new")
     new.register_rank(rank_info(0, dp_size=1, rank_port=31000))
     serve(new, port=port)
-    assert client.get_topology(addr).instance_id == "old"  # still cached
-    assert client.health(addr) == "new"  # noticed the restart: cache dropped
-    assert client.get_topology(addr).instance_id == "new"
-    assert client.get_rank_endpoint(addr, 0).rank_port == 31000
-    client.invalidate(addr)
-    assert client.get_topology(addr).instance_id == "new"
+    assert peers.topology(addr).instance_id == "old"  # still cached
+    assert peers.beat(addr).instance_id == "new"  # noticed the restart: what it knew is dropped
+    assert peers.misses(addr) == 0 and peers.snapshot(addr).topology is None
+    assert peers.topology(addr).instance_id == "new"
+    assert peers.endpoint(addr, 0).rank_port == 31000
+    peers.invalidate(addr)
+    assert peers.snapshot(addr).endpoints == {}
+    assert peers.topology(addr).instance_id == "new"
 
 
 def test_dead_service_errors_name_the_address(client):

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from pdserve.disagg import wire
-from pdserve.disagg.bootstrap_client import BootstrapClient
+from pdserve.disagg.bootstrap_client import BootstrapClient, Health
+from pdserve.disagg.prefill_peers import PrefillPeers
 from pdserve.disagg.bootstrap_server import ThreadedBootstrap
 from pdserve.disagg.bootstrap_table import BootstrapTable, RankInfo
 from pdserve.disagg.handoff import HandoffState
@@ -269,21 +270,25 @@ def test_on_gone_releases_a_room_waiting_for_an_abort_answer(link):
 
 
 class StubHealth:
-    """A BootstrapClient stand-in for Heartbeat: per-address instance ids, None = no answer."""
+    """A BootstrapClient stand-in for PrefillPeers: per-address instance ids, None = no answer."""
+
+    timeout = 1.0
 
     def __init__(self, answers: dict[str, str | None]):
         self.answers = answers
         self.calls: list[str] = []
 
-    def health(self, addr: str, *, timeout: float | None = None) -> str | None:
+    def health(self, addr: str, *, timeout: float | None = None) -> Health | None:
         self.calls.append(addr)
-        return self.answers.get(addr)
+        inst = self.answers.get(addr)
+        return None if inst is None else Health(inst, {})
 
 
 @pytest.fixture
 def heartbeat_of(request):
     def make(client, receiver, max_failures: int = 2) -> Heartbeat:
-        hb = Heartbeat(client, interval=3600.0, max_failures=max_failures,
+        peers = client if isinstance(client, PrefillPeers) else PrefillPeers(client)
+        hb = Heartbeat(peers, interval=3600.0, max_failures=max_failures,
                        watched=receiver.watched, on_gone=receiver.on_gone, on_alive=receiver.on_alive)
         request.addfinalizer(hb.close)
         return hb
@@ -350,7 +355,7 @@ def test_heartbeat_after_an_idle_restart_spares_the_new_rooms(link, heartbeat_of
 
 def test_heartbeat_thread_beats_on_its_own(link, request):
     client = StubHealth({ADDR: None})
-    hb = Heartbeat(client, interval=0.01, max_failures=1, watched=link.receiver.watched,
+    hb = Heartbeat(PrefillPeers(client), interval=0.01, max_failures=1, watched=link.receiver.watched,
                    on_gone=link.receiver.on_gone)
     request.addfinalizer(hb.close)
     accept(link)
@@ -378,7 +383,8 @@ def test_full_handoff_through_rank_resolver(request, bootstrap, heartbeat_of):
                                  page_size=PAGE_SIZE, kv_cache_dtype="float32",
                                  load_balance_method="auto", fingerprint=FP, endpoint=ep,
                                  transfer_backend="fake"))
-    resolver = RankResolver(client, decode_force=False, topology_timeout=2.0, query_timeout=2.0,
+    peers = PrefillPeers(client)  # shared by the resolver and the heartbeat, as in a decode worker
+    resolver = RankResolver(peers, decode_force=False, topology_timeout=2.0, query_timeout=2.0,
                             on_result=lk.receiver.on_resolved)
     request.addfinalizer(lambda: resolver.close(wait=True))
     lk.receiver.resolve, lk.receiver.cancel_resolve = resolver.resolve, resolver.cancel
@@ -393,7 +399,7 @@ def test_full_handoff_through_rank_resolver(request, bootstrap, heartbeat_of):
     assert ddone.meta["resolve_s"] >= 0
     assert_pages_landed(lk, SRC, [9, 3, 4])
     # a second room, then the prefill's bootstrap service goes away: the heartbeat notices
-    hb = heartbeat_of(client, lk.receiver)
+    hb = heartbeat_of(peers, lk.receiver)
     lk.receiver.accept(ROOM + 1, "d-2", server.addr, PROMPT, None)
     deliver_when_resolved(lk)
     hb.beat_all()

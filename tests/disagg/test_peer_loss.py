@@ -11,7 +11,8 @@ import pytest
 
 from pdserve.core.errors import Unavailable
 from pdserve.core.kv_layout import KVLayout
-from pdserve.disagg.bootstrap_client import BootstrapClient
+from pdserve.disagg.bootstrap_client import BootstrapClient, Health
+from pdserve.disagg.prefill_peers import PrefillPeers
 from pdserve.disagg.bootstrap_server import ThreadedBootstrap
 from pdserve.disagg.bootstrap_table import BootstrapTable, RankInfo
 from pdserve.disagg.handoff import HandoffState
@@ -66,12 +67,12 @@ def test_gone_rank_is_refused_and_listed_by_health():
     srv = ThreadedBootstrap(table)
     try:
         with BootstrapClient(timeout=5.0) as client:
-            assert client.health(srv.addr) == table.instance_id
-            assert client.gone_ranks(srv.addr) == {1: "process pid 7 exited with code -9"}
-        table.register_rank(rank_info(1))  # a worker registering again is alive
-        with BootstrapClient(timeout=5.0) as client:
-            client.health(srv.addr)
-            assert client.gone_ranks(srv.addr) == {}
+            peers = PrefillPeers(client)
+            assert peers.beat(srv.addr).instance_id == table.instance_id
+            assert peers.gone_ranks(srv.addr) == {1: "process pid 7 exited with code -9"}
+            table.register_rank(rank_info(1))  # a worker registering again is alive
+            peers.beat(srv.addr)
+            assert peers.gone_ranks(srv.addr) == {}
     finally:
         srv.stop()
 
@@ -82,17 +83,19 @@ def test_silent_cached_topology_is_revalidated_before_use():
     old.register_rank(rank_info(0, 1))
     srv = ThreadedBootstrap(old)
     port = srv.port
-    with BootstrapClient(timeout=5.0, clock=lambda: clock[0]) as client:
-        assert client.get_topology(srv.addr, max_age_s=1.0).instance_id == "old"
+    with BootstrapClient(timeout=5.0) as client:
+        peers = PrefillPeers(client, clock=lambda: clock[0])
+        assert peers.topology(srv.addr, max_age_s=1.0).instance_id == "old"
         srv.stop()
         new = BootstrapTable(dp_size=1, instance_id="new")
         new.register_rank(rank_info(0, 1, port=31000))
         srv = ThreadedBootstrap(new, port=port)
         try:
-            assert client.get_topology(srv.addr, max_age_s=1.0).instance_id == "old"  # heard from recently
+            assert peers.topology(srv.addr, max_age_s=1.0).instance_id == "old"  # heard from recently
             clock[0] += 2.0
-            assert client.get_topology(srv.addr, max_age_s=1.0).instance_id == "new"
-            assert client.get_rank_endpoint(srv.addr, 0).rank_port == 31000
+            assert peers.topology(srv.addr, max_age_s=1.0).instance_id == "new"
+            assert peers.endpoint(srv.addr, 0).rank_port == 31000
+            assert peers.snapshot(srv.addr).instance_id == "new"
         finally:
             srv.stop()
 
@@ -136,26 +139,26 @@ def test_a_restart_while_idle_spares_rooms_of_the_new_instance(link):
 
 
 # ---- heartbeat -----------------------------------------------------------------------------------
-class Health:
-    """A BootstrapClient stand-in: instance id per address (None = no answer) and gone ranks."""
+class StubClient:
+    """A BootstrapClient stand-in: one instance id (None = no answer), gone ranks and load."""
+
+    timeout = 1.0
 
     def __init__(self):
         self.instance: str | None = "a"
         self.gone: dict[int, str] = {}
+        self.load: int | None = None
 
-    def health(self, addr: str, *, timeout: float | None = None) -> str | None:
-        return self.instance
-
-    def gone_ranks(self, addr: str) -> dict[int, str]:
-        return dict(self.gone)
+    def health(self, addr: str, *, timeout: float | None = None) -> Health | None:
+        return None if self.instance is None else Health(self.instance, dict(self.gone), self.load)
 
 
 def test_heartbeat_reports_gone_ranks_and_the_live_instance_of_every_answer():
-    client, calls, alive = Health(), [], []
-    hb = Heartbeat(client, interval=3600.0, max_failures=2, watched=lambda: {ADDR},
+    client, calls, alive = StubClient(), [], []
+    peers = PrefillPeers(client)
+    hb = Heartbeat(peers, interval=3600.0, max_failures=2, watched=lambda: {ADDR},
                    on_gone=lambda addr, reason, **kw: calls.append((addr, reason, kw)),
-                   on_alive=lambda addr, inst: alive.append((addr, inst)),
-                   gone_ranks=client.gone_ranks)
+                   on_alive=lambda addr, inst: alive.append((addr, inst)))
     try:
         hb.beat_all()
         assert calls == []
@@ -167,6 +170,14 @@ def test_heartbeat_reports_gone_ranks_and_the_live_instance_of_every_answer():
         client.gone, client.instance = {}, "b"
         hb.beat_all()
         assert calls == [] and alive == [(ADDR, "a"), (ADDR, "a"), (ADDR, "b")]
+        client.load = 4096  # the prefill's load rides on its /health: kept per address
+        hb.beat_all()
+        assert peers.load_tokens(ADDR) == 4096 and peers.load_tokens("other:1") is None
+        client.instance = None  # misses are counted on the peer and reset once reported
+        hb.beat_all()
+        assert peers.misses(ADDR) == 1
+        hb.beat_all()
+        assert peers.misses(ADDR) == 0 and "missed 2 heartbeats" in calls[-1][1]
     finally:
         hb.close()
 

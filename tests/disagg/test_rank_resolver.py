@@ -15,6 +15,7 @@ from pdserve.core.errors import BadRequest
 from pdserve.core.failures import FailureCause
 from pdserve.core.pd_vocab import MAX_QUERY_ROOMS
 from pdserve.disagg.bootstrap_client import BootstrapClient, BootstrapError
+from pdserve.disagg.prefill_peers import PrefillPeers
 from pdserve.disagg.bootstrap_server import ThreadedBootstrap
 from pdserve.disagg.bootstrap_table import BootstrapTable, RankInfo
 from pdserve.disagg.dp_rules import conflict_message
@@ -68,7 +69,7 @@ class Env:
         self.client = BootstrapClient(timeout=2.0)
         request.addfinalizer(self.client.close)
         self.results: queue.Queue[Resolved] = queue.Queue()
-        self.resolver = RankResolver(self.client, decode_force=decode_force,
+        self.resolver = RankResolver(PrefillPeers(self.client), decode_force=decode_force,
                                      topology_timeout=topology_timeout, query_timeout=query_timeout,
                                      on_result=self.results.put)
         request.addfinalizer(lambda: self.resolver.close(wait=True))

@@ -558,3 +558,38 @@ def test_decode_refuses_a_request_its_pool_cannot_hold(pd):
     [out] = pd.decode.generate(pd.req("d-1", prompt=list(range(1, 70))))  # 69 + 4 tokens > 64 slots
     assert out.finished and out.error.status == 400 and "more than the pool holds" in out.error.message
     pd.finish()
+
+
+# ---- conditional disaggregation -------------------------------------------------------------------
+@pytest.mark.parametrize("when", ["before_request", "after_request"])
+def test_decode_prefills_itself_when_the_prefill_is_overloaded(pd, when):
+    """--disagg-prefill-overload-tokens: the prefill's last reported load is above the bound, so
+    the decode runs the prompt itself; the prefill, told to drop the room (before or after its
+    request arrived), ends it with a success and no transfer."""
+    decode = pd.decode.role
+    decode.overload = 100
+    decode.peers.load_tokens = lambda addr: 5000  # what the prefill's last /health said
+    if when == "after_request":
+        pd.prefill.generate(pd.req("p-1"))
+    pd.decode.generate(pd.req("d-1"))
+    assert decode.receiver.inflight() == 0  # no handoff on the decode
+    pd.prefill.role.on_room_dropped(ROOM, "decode dp_rank 0 prefilled it")  # the front's notice
+    if when == "before_request":
+        pd.prefill.generate(pd.req("p-1"))
+    pd.finish()
+    d, p = pd.decode.final("d-1"), pd.prefill.final("p-1")
+    assert d.error is None and pd.decode.tokens("d-1") == fake_continuation(PROMPT, 4, VOCAB)
+    first_meta = pd.decode.outputs["d-1"][0].meta
+    assert first_meta["disaggregation"] == "local" and "5000 prompt tokens in flight" in first_meta["local_prefill_reason"]
+    assert p.error is None and p.token_ids == [] and p.meta["disaggregation"] == "dropped"
+    assert pd.decode.engine.reserve_calls == []  # nothing reserved for a transfer
+
+
+def test_a_decode_below_the_overload_bound_uses_the_prefill(pd):
+    decode = pd.decode.role
+    decode.overload = 100
+    decode.peers.load_tokens = lambda addr: 50
+    pd.prefill.generate(pd.req("p-1"))
+    pd.decode.generate(pd.req("d-1"))
+    pd.finish()
+    assert_success(pd)
