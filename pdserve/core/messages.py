@@ -10,16 +10,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .pd_vocab import DEFAULT_BOOTSTRAP_PORT
 from .sampling import SamplingParams
 
 
 @dataclass(frozen=True)
 class PDParams:
-    """PD fields of one request item (one room). `prefill_dp_rank` is `disagg_prefill_dp_rank`."""
+    """The PD fields of one request item (one room), the one type every layer uses: as the
+    client sent them (host and room may be missing: a colocated server ignores them) and, once
+    a PD front checked them, as its worker gets them. `prefill_dp_rank` is
+    `disagg_prefill_dp_rank`."""
 
-    bootstrap_host: str
-    bootstrap_port: int
-    bootstrap_room: int
+    bootstrap_host: str | None = None
+    bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
+    bootstrap_room: int | None = None
     prefill_dp_rank: int | None = None
 
 

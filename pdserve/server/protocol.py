@@ -12,18 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import BadRequest
+from ..core.messages import PDParams
 from ..core.pd_vocab import DEFAULT_BOOTSTRAP_PORT, MAX_ROOM
 from ..core.sampling import SamplingParams
-
-
-@dataclass(frozen=True)
-class PDFields:
-    """The PD fields of one item as the client sent them (roles decide what they mean)."""
-
-    bootstrap_host: str | None = None
-    bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
-    bootstrap_room: int | None = None
-    prefill_dp_rank: int | None = None  # `disagg_prefill_dp_rank`
 
 
 @dataclass(frozen=True)
@@ -35,7 +26,7 @@ class RequestItem:
     max_new_tokens_given: bool  # False: the default may be shortened to fit the context
     return_logprob: bool = False
     routed_dp_rank: int | None = None
-    pd: PDFields = PDFields()
+    pd: PDParams = PDParams()
 
 
 def is_int(v: Any) -> bool:
@@ -102,13 +93,13 @@ def _host(key: str, v: Any) -> str | None:
     return v
 
 
-def pd_fields(body: dict, total: int) -> list[PDFields]:
+def pd_fields(body: dict, total: int) -> list[PDParams]:
     hosts = per_item(body, "bootstrap_host", total, _host)
     ports = per_item(body, "bootstrap_port", total, _int_or_none(1, 65536))
     rooms = per_item(body, "bootstrap_room", total, _int_or_none(0, MAX_ROOM),
                      spread=lambda room, k: (room + k) % MAX_ROOM)
     pins = per_item(body, "disagg_prefill_dp_rank", total, _int_or_none(0, 1 << 16))
-    return [PDFields(h, DEFAULT_BOOTSTRAP_PORT if p is None else p, r, q)
+    return [PDParams(h, DEFAULT_BOOTSTRAP_PORT if p is None else p, r, q)
             for h, p, r, q in zip(hosts, ports, rooms, pins)]
 
 

@@ -17,7 +17,8 @@ from pdserve.server.dispatcher import DPDispatcher
 from pdserve.server.generation import Generator, Limits
 from pdserve.server.metrics import FrontMetrics
 from pdserve.server.pd_roles import DecodeFrontRole, PrefillFrontRole
-from pdserve.server.protocol import PDFields, RequestItem
+from pdserve.core.messages import PDParams
+from pdserve.server.protocol import RequestItem
 from pdserve.server.roles import RoleContext
 
 
@@ -59,7 +60,7 @@ def prefill(dp=2, method="follow_bootstrap_room", force=False):
 
 def item(rid: str, room: int, routed: int | None = None, hint: int | None = None, k: int = 0) -> RequestItem:
     return RequestItem(k, rid, [5, 6, 7], SamplingParams(max_new_tokens=4), True, routed_dp_rank=routed,
-                       pd=PDFields("127.0.0.1", 8998, room, hint))
+                       pd=PDParams("127.0.0.1", 8998, room, hint))
 
 
 def failed_rooms(notices) -> dict[int, str]:

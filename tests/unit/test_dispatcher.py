@@ -15,7 +15,8 @@ from pdserve.core.sampling import SamplingParams
 from pdserve.server.dispatcher import DPDispatcher, LBMethod
 from pdserve.server.generation import Generator, Limits
 from pdserve.server.metrics import FrontMetrics
-from pdserve.server.protocol import PDFields, RequestItem
+from pdserve.core.messages import PDParams
+from pdserve.server.protocol import RequestItem
 from pdserve.server import roles
 from pdserve.server.roles import ColocatedRole, Dispatch, make_role
 
@@ -83,7 +84,7 @@ def test_colocated_role_ignores_pd_fields_and_resolves_auto():
     assert role.lb_method() is LBMethod.ROUND_ROBIN
     assert make_role(ServerConfig(load_balance_method="minimum_tokens")).lb_method() is LBMethod.MINIMUM_TOKENS
     d = DPDispatcher(2, role.lb_method())
-    it = item(0, pd=PDFields("127.0.0.1", 8998, 11, 1))
+    it = item(0, pd=PDParams("127.0.0.1", 8998, 11, 1))
     disp = role.dispatch(it, d)
     assert disp.pd is None and disp.dp_rank in (0, 1)
 
@@ -127,7 +128,7 @@ class RecordingPool:
         self.aborted.append(rid)
 
 
-def item(k: int, ids=(5, 6, 7), max_new=8, routed=None, pd=PDFields(), given=True) -> RequestItem:
+def item(k: int, ids=(5, 6, 7), max_new=8, routed=None, pd=PDParams(), given=True) -> RequestItem:
     return RequestItem(k, f"r{k}", list(ids), SamplingParams(max_new_tokens=max_new), given,
                        routed_dp_rank=routed, pd=pd)
 
