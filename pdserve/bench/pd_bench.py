@@ -104,17 +104,20 @@ async def _run(a, colo: _Proc, pre: _Proc, pre_lb: _Proc, dec: _Proc, dec_q: _Pr
                 await _pd(c, pre, dec, ids)
                 await _pd(c, pre, dec_q, ids)
                 await _pd(c, pre_lb, dec, ids)
-            col, pd, q, fwd, meta = [], [], [], [], []
+            col, pd, q, fwd, meta, qmeta, fmeta = [], [], [], [], [], [], []
             for i in range(a.repeats):
                 ids_i = _prompt_ids(n, n * 1000 + i)
                 col.append(await _colocated(c, colo.url, ids_i))
                 dt, m = await _pd(c, pre, dec, ids_i)
                 pd.append(dt)
                 meta.append(m)
-                q.append((await _pd(c, pre, dec_q, ids_i))[0])
+                dt, m = await _pd(c, pre, dec_q, ids_i)
+                q.append(dt)
+                qmeta.append(m)
                 dt, m = await _pd(c, pre_lb, dec, ids_i)
                 assert m["dp_rank_path"] == "forward", m
                 fwd.append(dt)
+                fmeta.append(m)
             transfer = [m["kv_transfer_s"] for m in meta]
             print(f"{n:>7} {_p50(col):>10.1f} {_p50(pd):>9.1f} {_p50(pd) - _p50(col):>8.1f} "
                   f"{_p50(transfer):>9.2f} {_p50([m['resolve_s'] for m in meta]):>8.2f} "
@@ -123,6 +126,10 @@ async def _run(a, colo: _Proc, pre: _Proc, pre_lb: _Proc, dec: _Proc, dec_q: _Pr
                   f"{statistics.median(m['kv_gbps'] or 0 for m in meta):>6.2f} {_p50(fwd):>9.1f} "
                   f"{_p50(fwd) - _p50(pd):>9.1f} {_p50(q):>11.1f} "
                   f"{_p50(q) - _p50(pd):>11.1f}")
+            rendezvous = {name: _p50([x.get("bootstrap_s", 0.0) for x in ms])
+                          for name, ms in (("fast", meta), ("forward", fmeta), ("query", qmeta))}
+            print(f"{'':>7} decode arrival -> KV request sent (resolve + reserve + send), p50 ms: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in rendezvous.items()))
 
 
 def main(argv=None) -> None:
