@@ -3,14 +3,15 @@
 # two decode servers (dp 1, one torch thread each, the converted default model, 127.0.0.1), one
 # router at a time in front of them, the same workloads through `pdserve bench serve`:
 #   shared prefix: PREFIXES prefixes x SUFFIXES suffixes (PREFIX_LEN + SUFFIX_LEN tokens)
-#   multi-turn:    CHATS chats x TURNS turns resending their real answers
+#   multi-turn:    CHATS chats x TURNS turns resending their real answers (CHATS odd: with an even
+#                  count round_robin over two servers would keep every chat on one server by chance)
 # Caches are flushed through the router before each workload. Benchmark only (never in CI).
 #   bash scripts/bench_cache_aware.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/bench_common.sh
 PREFIXES=${PREFIXES:-8} SUFFIXES=${SUFFIXES:-4} PREFIX_LEN=${PREFIX_LEN:-512} SUFFIX_LEN=${SUFFIX_LEN:-32}
-CHATS=${CHATS:-6} TURNS=${TURNS:-4} OUTPUT_LEN=${OUTPUT_LEN:-16} CONC=${CONC:-2}
+CHATS=${CHATS:-5} TURNS=${TURNS:-4} OUTPUT_LEN=${OUTPUT_LEN:-16} CONC=${CONC:-2}
 pids=()
 port() { $PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 stop_all() { for p in "${pids[@]}"; do kill -- -"$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done; pids=(); }

@@ -13,6 +13,7 @@ from pdserve.disagg.bootstrap_client import BootstrapClient, Health
 from pdserve.disagg.prefill_peers import PrefillPeers
 from pdserve.disagg.bootstrap_server import ThreadedBootstrap
 from pdserve.disagg.bootstrap_table import BootstrapTable, RankInfo
+from pdserve.disagg.decode_machine import DecodeState
 from pdserve.disagg.handoff import HandoffState
 from pdserve.disagg.heartbeat import Heartbeat
 from pdserve.disagg.rank_resolver import RankResolver
@@ -22,6 +23,7 @@ from handoff_harness import (ADDR, AUX, FP, PAGE_SIZE, PROMPT, ROOM, SRC, WAIT_S
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]
 
 S = HandoffState
+D = DecodeState
 ADDR_B = "127.0.0.2:8998"
 
 
@@ -108,7 +110,8 @@ def test_reserve_none_delays_kv_req_until_pages_free(request):
     lk.receiver.on_resolved(lk.resolved())
     for _ in range(3):
         assert lk.receiver.poll() == []
-    assert len(lk.pool.calls) == 3 and lk.receiver.rooms[ROOM].pages is None
+    room = lk.receiver.rooms[ROOM]
+    assert len(lk.pool.calls) == 3 and room.state is D.RESERVING and room.reservation is None
     assert lk.prefill_be.recv(0.05) == []  # no kv_req without pages
     lk.pool.free.append(5)  # another request finished
     assert lk.receiver.poll() == []
@@ -181,7 +184,9 @@ def test_unanswered_abort_keeps_pages_until_grace(link):
     link.wait_decode_state(ROOM, S.WAITING_FOR_INPUT)
     link.receiver.abort(ROOM, "client went away")
     assert link.receiver.poll() == [] and link.receiver.inflight() == 1
-    t = link.receiver.rooms[ROOM].abort_sent_at
+    room = link.receiver.rooms[ROOM]
+    assert room.state is D.ABORTING  # kv_abort sent, pages held
+    t = room.entered[D.ABORTING]
     assert link.receiver.poll(now=t + 4.9) == []
     [ddone] = link.receiver.poll(now=t + 5.1)
     assert not ddone.ok and ddone.reason == "client went away"

@@ -15,6 +15,7 @@ from pdserve.disagg.bootstrap_client import BootstrapClient, Health
 from pdserve.disagg.prefill_peers import PrefillPeers
 from pdserve.disagg.bootstrap_server import ThreadedBootstrap
 from pdserve.disagg.bootstrap_table import BootstrapTable, RankInfo
+from pdserve.disagg.decode_machine import DecodeState
 from pdserve.disagg.handoff import HandoffState
 from pdserve.disagg.heartbeat import Heartbeat
 from pdserve.disagg.rank_resolver import Resolved
@@ -50,7 +51,7 @@ def failed(lk: Link) -> dict[int, str]:
     while time.monotonic() < end:
         out.update({d.room: d.reason for d in lk.receiver.poll() if not d.ok})
         time.sleep(0.01)
-        if out and not any(r.abort_sent_at for r in lk.receiver.rooms.values()):
+        if out and not any(r.state is DecodeState.ABORTING for r in lk.receiver.rooms.values()):
             break
     return out
 
