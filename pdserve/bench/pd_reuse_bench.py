@@ -113,6 +113,10 @@ def main(argv=None) -> None:
     p.add_argument("--answer-tokens", type=int, default=32)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--local-max", type=int, default=128, help="the reuse+local decode's threshold")
+    p.add_argument("--split-cores", action="store_true",
+                   help="prefills on --prefill-cores, decodes and colocated on --decode-cores")
+    p.add_argument("--prefill-cores", default="0")
+    p.add_argument("--decode-cores", default="1")
     p.add_argument("--seed", type=int, default=1)
     a = p.parse_args(argv)
     from ..core.envs import Envs
@@ -121,10 +125,15 @@ def main(argv=None) -> None:
     model = resolve_model(a.model, Envs.read().cache_dir)
     common = ["--model", model, "--dtype", a.dtype, "--max-total-tokens", "32768", "--num-threads", "1",
               "--page-size", str(a.page_size)]
-    colo = _Proc(["--role", "colocated", *common])
+    # --split-cores: prefills on one core, decodes and the colocated server on the others, as on
+    # separate hosts (a prefill leg the decode drops still computes until the drop arrives)
+    pcores, dcores = (["--cpu-bind", a.prefill_cores], ["--cpu-bind", a.decode_cores]) if a.split_cores \
+        else ([], [])
+    colo = _Proc(["--role", "colocated", *common, *dcores])
     decode_args = {"reuse": [], "no reuse": ["--disable-prefix-cache"],
                    "reuse+local": ["--disagg-local-prefill-max-tokens", str(a.local_max)]}
-    pairs = {name: (_Proc(["--role", "prefill", *common]), _Proc(["--role", "decode", *extra, *common]))
+    pairs = {name: (_Proc(["--role", "prefill", *common, *pcores]),
+                    _Proc(["--role", "decode", *extra, *common, *dcores]))
              for name, extra in decode_args.items()}
     procs = [colo] + [x for pair in pairs.values() for x in pair]
     try:
