@@ -6,8 +6,10 @@ it holds of each turn's prompt), one with `--disable-prefix-cache` (every turn m
 conversation), and one with reuse and `--disagg-local-prefill-max-tokens` (it prefills a turn
 itself when little of it is new); all dp 1 with one torch thread. Each of `--chats` conversations runs `--turns`
 turns one request at a time: the prompt is the conversation so far plus `--user-tokens` new
-tokens, the answer `--answer-tokens` greedy tokens, appended for the next turn. The same turn
-runs on the four setups back to back. Per turn it prints median TTFT (streamed, first chunk)
+tokens, the answer `--answer-tokens` greedy tokens; each setup appends its own answer for the
+next turn, as a real client does (in bf16 answers can differ between setups; "same" counts the
+turns where a setup's answer equals colocated's). The same turn runs on the four setups back to
+back. Per turn it prints median TTFT (streamed, first chunk)
 of each setup, the KV pages each decode was sent and reused, bytes with reuse on and off, and
 how many pages the turn's new tokens need (the target: pages sent within one page of that from
 turn 2 on, and TTFT no worse than colocated with its prefix cache).
@@ -64,29 +66,33 @@ async def _run(a, colo: _Proc, pairs: dict[str, tuple[_Proc, _Proc]], page: int)
     rows: dict[int, dict[str, list]] = {}
     async with httpx.AsyncClient(timeout=300) as c:
         for chat in chats:
-            conv = list(chat)
+            # each setup carries its own answers, as a real client does (in bf16 they can differ)
+            convs = {name: list(chat) for name in ("colo", *pairs)}
             for turn in range(1, a.turns + 1):
                 user = [rng.randrange(1000, 40000) for _ in range(a.user_tokens)]
-                prompt = conv + user
-                body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": a.answer_tokens,
-                                                                 "temperature": 0, "ignore_eos": True}}
+
+                def body(name):
+                    return {"input_ids": convs[name] + user, "sampling_params": {
+                        "max_new_tokens": a.answer_tokens, "temperature": 0, "ignore_eos": True}}
                 row = rows.setdefault(turn, {"colo": [], "new_pages": [], "same": [],
                                              **{f"{k} {s}": [] for k in ("ttft", "sent", "reused", "bytes")
                                                 for s in SETUPS}})
-                t, ids_colo, _ = await _stream(c, colo.url, body)
+                t, ids_colo, _ = await _stream(c, colo.url, body("colo"))
                 row["colo"].append(t)
                 same = True
+                prompt_colo = convs["colo"] + user
                 for name, (pre, dec) in pairs.items():
-                    t, ids, meta = await _pd(c, pre, dec, body)
+                    t, ids, meta = await _pd(c, pre, dec, body(name))
                     row[f"ttft {name}"].append(t)
                     local = meta.get("disaggregation") == "local"
                     row[f"sent {name}"].append(0 if local else meta.get("kv_transferred_pages", 0))
                     row[f"reused {name}"].append(meta.get("kv_reused_pages", 0))
                     row[f"bytes {name}"].append(meta.get("kv_bytes", 0) or 0)
                     same = same and ids == ids_colo
-                row["new_pages"].append(-(-len(prompt) // page) - len(conv) // page)
+                    convs[name] += user + ids
+                row["new_pages"].append(-(-len(prompt_colo) // page) - len(convs["colo"]) // page)
                 row["same"].append(same)
-                conv = prompt + ids_colo
+                convs["colo"] = prompt_colo + ids_colo
     med = statistics.median
     print("TTFT (ms, median over chats; streamed, first chunk)")
     print(f"{'turn':>4} {'prompt':>7} {'colocated':>10} " + " ".join(f"{s:>12}" for s in SETUPS) + f" {'same':>5}")
