@@ -86,6 +86,11 @@ class Engine:
                              f"holds ({self.cfg.num_pages * self.cfg.page_size})")
         if req.rid in self.seqs or req.rid in self.held:
             raise BadRequest(f"request id {req.rid} is already in use")
+        vocab = self.cfg.vocab_size
+        bad = next((t for t, _ in req.sampling.logit_bias if t >= vocab), None) if vocab else None
+        if bad is not None:
+            raise BadRequest(f"request {req.rid}: logit_bias token id {bad} is outside the "
+                             f"vocabulary [0, {vocab})")
 
     def add(self, req: EngineRequest) -> None:
         self.validate(req)
@@ -246,7 +251,8 @@ class Engine:
         seq.input_logprobs.extend(lp.gather(1, targets.view(-1, 1)).view(-1).tolist())
 
     def _sample_and_emit(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
-        tokens = sample(logits, [s.req.sampling for s in seqs], [s.generator for s in seqs])
+        tokens = sample(logits, [s.req.sampling for s in seqs], [s.generator for s in seqs],
+                        [s.history for s in seqs], self.cfg.eos_token_ids)
         logprobs = None
         if any(s.req.return_logprob for s in seqs):
             lp = torch.log_softmax(logits.float(), dim=-1)
@@ -256,7 +262,7 @@ class Engine:
                 for i, s in enumerate(seqs)]
 
     def _emit(self, seq: Sequence, token: int, logprob: float | None) -> StepOutput:
-        seq.output_ids.append(token)
+        seq.append_output(token)
         p = seq.req.sampling
         reason = None
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.cfg.eos_token_ids):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.sampling import SamplingParams
+from .sampler import TokenHistory
 
 
 class SeqStatus(enum.Enum):
@@ -51,6 +52,16 @@ class Sequence:
     page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full pages
     offered: int = 0  # leading pages already offered to the prefix cache
     cached_tokens: int | None = None  # prompt tokens reused from the cache, set when first scheduled
+    history: TokenHistory | None = None  # for logit processors (penalties, min_new_tokens), else None
+
+    def __post_init__(self):
+        if self.history is None:
+            self.history = TokenHistory.for_params(self.req.prompt_ids, self.req.sampling)
+
+    def append_output(self, token: int) -> None:
+        self.output_ids.append(token)
+        if self.history is not None:
+            self.history.append(token)
 
     @property
     def rid(self) -> str:

@@ -1,12 +1,17 @@
-"""SGLang's native `POST /generate`: body -> request items, progress -> reply JSON."""
+"""SGLang's native `POST /generate`: body -> request items, progress -> reply JSON.
+
+`sampling_params` takes SGLang's names (SamplingParams.from_json): penalties, min_new_tokens and
+logit_bias work; json_schema / regex / ebnf / structural_tag / stop_regex and top_logprobs_num > 0
+are refused with a 400 naming the field.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..core.errors import BadRequest
-from ..core.sampling import SamplingParams
-from .protocol import RequestItem, build_items, check_token_ids, opt_bool
+from ..core.sampling import SamplingParams, unsupported
+from .protocol import RequestItem, build_items, check_token_ids, opt_bool, opt_int
 from .request_state import ItemProgress
 from .tokenizer import ServerTokenizer
 
@@ -53,6 +58,8 @@ def parse_generate(body: dict, tok: ServerTokenizer) -> NativeCall:
     sampling = [SamplingParams.from_json(x) for x in raw]
     given = [isinstance(x, dict) and x.get("max_new_tokens") is not None for x in raw]
     return_logprob = opt_bool(body, "return_logprob")
+    if (opt_int(body, "top_logprobs_num", 0) or 0) > 0:
+        raise unsupported("top_logprobs_num > 0", " (only the sampled tokens' logprobs are returned)")
     items = build_items(body, prompts, sampling, given, return_logprob)
     return NativeCall(items, opt_bool(body, "stream"), batched or len(items) > 1,
                       opt_bool(body, "return_text_in_logprobs"), opt_bool(body, "return_timeline"))

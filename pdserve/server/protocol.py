@@ -2,7 +2,9 @@
 
 A body holds one or more prompts, each sampled `n` times; every (prompt, sample) becomes one
 `RequestItem` with its own rid, sampling params and PD fields. Field checks live here too:
-unknown fields are ignored, a known field with a wrong type or value is a BadRequest.
+unknown fields are ignored, a known field with a wrong type or value is a BadRequest, and a
+known field asking for what this server does not do is a BadRequest saying so
+(core.sampling.unsupported): never accepted and ignored.
 """
 
 from __future__ import annotations

@@ -370,7 +370,7 @@ def test_logprobs(srv, tok):
     m = srv.post("/generate", {"input_ids": ids, "return_logprob": True, "return_text_in_logprobs": True,
                                "sampling_params": {"max_new_tokens": 4}}).json()["meta_info"]
     assert m["output_token_logprobs"][0][2] == tok.token_text(out[0])
-    c = srv.post("/v1/completions", {"prompt": ids, "max_tokens": 4, "logprobs": 1}).json()["choices"][0]
+    c = srv.post("/v1/completions", {"prompt": ids, "max_tokens": 4, "logprobs": 0}).json()["choices"][0]
     assert c["logprobs"]["token_logprobs"] == [fake_logprob(t) for t in out]
     c = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                                           "logprobs": True}).json()["choices"][0]
@@ -431,6 +431,19 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 300}, "context"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": "x"}, "temperature"),
+    # fields this server does not implement: refused naming the field, never accepted and ignored
+    ("/v1/completions", {"prompt": "x", "logprobs": 1}, "logprobs > 0 is not supported"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix is not supported"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of=3 is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}},
+     "response_format type 'json_object' is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     "tools is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3, "logprobs": True},
+     "top_logprobs > 0 is not supported"),
+    ("/generate", {"text": "a", "sampling_params": {"regex": "a+"}}, "sampling_params.regex is not supported"),
+    ("/generate", {"text": "a", "sampling_params": {"presence_penalty": 5}}, "presence_penalty"),
 ]
 
 

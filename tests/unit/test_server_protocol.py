@@ -110,11 +110,15 @@ def test_bad_native_bodies(tok, body, match):
 
 def test_openai_fields_map_to_sampling(tok):
     c = parse_completion({"prompt": ["x y", "z"], "max_tokens": 7, "temperature": 0.5, "top_p": 0.9,
-                          "top_k": 3, "min_p": 0.1, "stop": "\n", "seed": 3, "n": 2, "logprobs": 2,
-                          "stream": True, "stream_options": {"include_usage": True}, "user": "ignored"}, tok)
+                          "top_k": 3, "min_p": 0.1, "stop": "\n", "seed": 3, "n": 2, "logprobs": 0,
+                          "stream": True, "stream_options": {"include_usage": True}, "user": "ignored",
+                          "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+                          "logit_bias": {"5": -100, "17": 2.5}}, tok)
     sp = c.items[0].sampling
     assert (sp.max_new_tokens, sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.stop, sp.seed) == \
         (7, 0.5, 0.9, 3, 0.1, ("\n",), 3)
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.logit_bias) == \
+        (0.5, -1.0, 1.2, ((5, -100.0), (17, 2.5)))
     assert c.n == 2 and len(c.items) == 4 and c.logprobs and c.stream and c.include_usage
     assert parse_completion({"prompt": [1, 2, 3]}, tok).items[0].input_ids == [1, 2, 3]
     assert [it.input_ids for it in parse_completion({"prompt": [[1], [2, 3]]}, tok).items] == [[1], [2, 3]]
@@ -156,11 +160,107 @@ def test_continue_final_message(tok):
     ("chat", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 99}, "top_logprobs"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 1.5}, "max_completion"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": "f"}, "tools"),
+    ("completion", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ("completion", {"prompt": "x", "frequency_penalty": "1"}, "frequency_penalty"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0}, "repetition_penalty"),
+    ("completion", {"prompt": "x", "logit_bias": [1]}, "logit_bias"),
+    ("completion", {"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"),
+    ("completion", {"prompt": "x", "logit_bias": {"tok": 1}}, "logit_bias"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}}, "logit_bias"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": "x"}}, "logit_bias"),
+    ("completion", {"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ("completion", {"prompt": "x", "min_tokens": 20}, "min_tokens=20 must not exceed max_tokens=16"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "min_tokens": 9, "max_completion_tokens": 8},
+     "min_tokens=9 must not exceed max_completion_tokens=8"),
 ])
 def test_bad_openai_bodies(tok, route, body, match):
     parse = parse_chat if route == "chat" else parse_completion
     with pytest.raises(BadRequest, match=match):
         parse(body, tok)
+
+
+MSGS = [{"role": "user", "content": "x"}]
+UNSUPPORTED = [  # (route, extra body fields, the field the 400 names)
+    ("both", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("both", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+     "response_format"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ("chat", {"tool_choice": "auto"}, "tool_choice"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("chat", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ("chat", {"functions": [{"name": "f"}]}, "functions"),
+    ("chat", {"function_call": "auto"}, "function_call"),
+    ("chat", {"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"chat_template": "{{ messages }}"}, "chat_template"),
+    ("completion", {"logprobs": 1}, "logprobs"),
+    ("completion", {"logprobs": 5}, "logprobs"),
+    ("completion", {"suffix": " end"}, "suffix"),
+    ("completion", {"echo": True}, "echo"),
+    ("both", {"best_of": 2}, "best_of"),
+    ("both", {"n": 2, "best_of": 3}, "best_of"),
+    ("both", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ("both", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("both", {"guided_regex": "a+"}, "guided_regex"),
+    ("both", {"guided_choice": ["a", "b"]}, "guided_choice"),
+    ("both", {"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+    ("both", {"structured_outputs": {"json": {}}}, "structured_outputs"),
+    ("both", {"json_schema": "{}"}, "json_schema"),
+    ("both", {"regex": "a+"}, "regex"),
+    ("both", {"ebnf": "root ::= 'a'"}, "ebnf"),
+    ("both", {"min_tokens": 2, "max_tokens": 8, "stop": ["x"]}, "min_tokens together with stop"),
+]
+
+
+def _cases(table):
+    for route, extra, field in table:
+        for r in (("completion", "chat") if route == "both" else (route,)):
+            yield pytest.param(r, extra, field, id=f"{r}-{field}-{len(str(extra))}")
+
+
+@pytest.mark.parametrize("route, extra, field", list(_cases(UNSUPPORTED)))
+def test_unsupported_openai_fields_are_refused_naming_the_field(tok, route, extra, field):
+    parse, base = (parse_chat, {"messages": MSGS}) if route == "chat" else (parse_completion, {"prompt": "x"})
+    with pytest.raises(BadRequest) as e:
+        parse({**base, **extra}, tok)
+    assert field in e.value.message and "is not supported by this server" in e.value.message, e.value.message
+
+
+def test_no_op_values_of_unsupported_fields_are_accepted(tok):
+    chat = parse_chat({"messages": MSGS, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+                       "logprobs": True, "top_logprobs": 0, "best_of": 2, "n": 2, "functions": [],
+                       "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": False},
+                       "guided_json": None, "chat_template": None, "min_tokens": 3, "max_tokens": 5}, tok)
+    assert chat.n == 2 and chat.include_usage and chat.items[0].sampling.min_new_tokens == 3
+    comp = parse_completion({"prompt": "x", "logprobs": 0, "echo": False, "suffix": None, "best_of": 1,
+                             "response_format": {"type": "text"}}, tok)
+    assert comp.logprobs and comp.items[0].return_logprob
+    assert parse_completion({"prompt": "x", "suffix": ""}, tok).items[0].sampling.max_new_tokens == 16
+
+
+def test_native_sampling_params_penalties_and_refusals(tok):
+    sp = parse_generate({"text": "a", "sampling_params": {
+        "presence_penalty": 1.5, "frequency_penalty": 0.25, "repetition_penalty": 1.1, "min_new_tokens": 4,
+        "max_new_tokens": 9, "logit_bias": {"3": 10}}}, tok).items[0].sampling
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.min_new_tokens, sp.logit_bias) == \
+        (1.5, 0.25, 1.1, 4, ((3, 10.0),))
+    assert sp.processes_logits and not parse_generate({"text": "a"}, tok).items[0].sampling.processes_logits
+    for key, val in (("json_schema", "{}"), ("regex", "a"), ("ebnf", "x"), ("structural_tag", "{}"),
+                     ("stop_regex", "a+")):
+        with pytest.raises(BadRequest, match=f"sampling_params.{key} is not supported by this server"):
+            parse_generate({"text": "a", "sampling_params": {key: val}}, tok)
+    with pytest.raises(BadRequest, match="top_logprobs_num > 0 is not supported by this server"):
+        parse_generate({"text": "a", "return_logprob": True, "top_logprobs_num": 3}, tok)
+    assert parse_generate({"text": "a", "top_logprobs_num": 0}, tok).items
+    for bad, match in (({"presence_penalty": -3}, "sampling_params.presence_penalty"),
+                       ({"repetition_penalty": -1}, "sampling_params.repetition_penalty"),
+                       ({"min_new_tokens": 200}, "sampling_params.min_new_tokens=200 must not exceed"),
+                       ({"min_new_tokens": 2, "max_new_tokens": 1}, "min_new_tokens=2 must not exceed"),
+                       ({"min_new_tokens": 1.5}, "sampling_params.min_new_tokens"),
+                       ({"logit_bias": {"1": -100.5}}, "sampling_params.logit_bias"),
+                       ({"frequency_penalty": 1e999}, "sampling_params.frequency_penalty")):
+        with pytest.raises(BadRequest, match=match):
+            parse_generate({"text": "a", "sampling_params": bad}, tok)
 
 
 # ---- stop strings and progress ---------------------------------------------------------------
@@ -245,7 +345,7 @@ def test_native_reply_shape():
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_openai_stream_deltas_concatenate_to_full(tok, chat):
-    body = {"prompt": "x", "n": 2, "stop": ["cde"], "logprobs": 1, "stream": True,
+    body = {"prompt": "x", "n": 2, "stop": ["cde"], "logprobs": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     if chat:
         body = {"messages": [{"role": "user", "content": "x"}], "n": 2, "stop": ["cde"], "logprobs": True,
