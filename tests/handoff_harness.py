@@ -30,7 +30,8 @@ PROMPT = 10  # tokens -> 3 pages
 SRC = [1, 2, 5]  # the prefill's pages of the prompt
 AUX = {"first_token": 42, "first_logprob": -0.25, "input_logprobs": None, "prompt_len": PROMPT}
 WAIT_S = 5.0
-THREAD_PREFIXES = ("kv-send", "kv-recv", "resolve", "dp-rank-query", "pd-heartbeat", "bootstrap-http")
+THREAD_PREFIXES = ("kv-send", "kv-recv", "kv-msg-pump", "resolve", "dp-rank-query", "pd-heartbeat",
+                   "bootstrap-http")
 
 
 def make_memory(seed: int | None) -> tuple[np.ndarray, KVLayout]:

@@ -31,9 +31,10 @@ from pdserve.worker import pd_common
 from pdserve.worker.decode import DecodeRole
 from pdserve.worker.prefill import PrefillRole
 from pdserve.worker.role import RoleContext, WorkerRole
+from handoff_harness import GatedBackend
 from tests.fake_engine import FakeEngine, StepOutput, fake_continuation, fake_logprob
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]
 
 PAGE_SIZE = 4
 VOCAB = 1000
@@ -42,24 +43,7 @@ ROOM = 4242
 WAIT_S = 5.0
 ENVS = Envs(bootstrap_timeout=5.0, waiting_timeout=5.0, topology_timeout=2.0, dp_rank_query_timeout=2.0,
             heartbeat_interval=1.0, heartbeat_max_failure=2, room_ttl=60.0)
-THREAD_PREFIXES = ("kv-send", "kv-recv", "kv-msg-pump", "resolve", "dp-rank-query", "pd-heartbeat",
-                   "bootstrap-http")
 CONFLICT = "follow_bootstrap_room conflict: dispatched to dp_rank 1 but the room implies 0 (test)"
-
-
-class GatedBackend(FakeBackend):
-    """Page writes wait for `gate` (open by default), so a test can act while a write runs."""
-
-    def __init__(self, fabric: FakeFabric):
-        super().__init__(fabric)
-        self.gate = threading.Event()
-        self.gate.set()
-        self.writing = threading.Event()
-
-    def _copy(self, peer, copies):
-        self.writing.set()
-        assert self.gate.wait(30), "test never opened the write gate"
-        return super()._copy(peer, copies)
 
 
 class Worker:
@@ -216,21 +200,6 @@ def _close_role(role: WorkerRole) -> None:
     for part in ("heartbeat", "resolver", "pump", "sender", "receiver", "backend", "client"):
         if hasattr(role, part):
             getattr(role, part).close()
-
-
-@pytest.fixture(autouse=True)
-def no_stray_threads():
-    """Every thread a test starts (pumps, senders, resolvers, heartbeat, server) ends with it."""
-    before = set(threading.enumerate())
-    yield
-    end = time.monotonic() + WAIT_S
-    while True:
-        stray = [t.name for t in set(threading.enumerate()) - before
-                 if t.is_alive() and t.name.startswith(THREAD_PREFIXES)]
-        if not stray or time.monotonic() > end:
-            break
-        time.sleep(0.01)
-    assert not stray, f"threads left running: {stray}"
 
 
 @pytest.fixture
