@@ -26,7 +26,7 @@ from pdserve.core.sampling import SamplingParams
 from pdserve.disagg.bootstrap_server import ThreadedBootstrap
 from pdserve.disagg.bootstrap_table import BootstrapTable
 from pdserve.engine import sequence as engine_sequence
-from pdserve.transfer.fake import FakeBackend, FakeFabric
+from pdserve.transfer.fake import FakeFabric
 from pdserve.worker import pd_common
 from pdserve.worker.decode import DecodeRole
 from pdserve.worker.prefill import PrefillRole
