@@ -4,6 +4,9 @@ A KV pool is `num_regions` equal regions (one K and one V region per layer) laid
 back from `base_ptr`; region r holds `num_pages` pages of `page_bytes` bytes each. Page p of
 region r starts at `base_ptr + r * region_stride + p * page_bytes`, so a run of contiguous
 pages is one contiguous byte range per region.
+Every layer's regions have the same shape in every supported family: sliding-window layers
+keep all their pages (their window only masks keys), so what else two workers must agree on
+(per-layer windows, head dim, RoPE) is in the model fingerprint (hf_config.ModelConfig).
 """
 
 from __future__ import annotations

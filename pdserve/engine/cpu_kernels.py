@@ -114,13 +114,13 @@ class PagedAttentionKernel:
     def __call__(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                  k_pool: torch.Tensor, v_pool: torch.Tensor, write_slots: torch.Tensor | None,
                  table: torch.Tensor, seq_lens: torch.Tensor,
-                 table_rows: torch.Tensor | None = None) -> torch.Tensor:
+                 table_rows: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
         """q [B, Hq, D]; k_new, v_new [B, Hkv, D] (rows may be strided, heads contiguous);
         k_pool, v_pool [slots, Hkv, D] contiguous; write_slots [B] (None: already stored),
         table [rows, L], seq_lens [B] (keys each query reads) and table_rows [B] (its table
         row; None: row b) int64 -> [B, Hq*D]. With write_slots None, consecutive queries on
         one table row (a sequence's prefill chunk, as AttnBatch.build lays them out) are
-        attended in tiles where that is faster (see tile_min)."""
+        attended in tiles where that is faster (see tile_min). scale: of the scores (None: D ** -0.5)."""
         B, Hq, D = q.shape
         Hkv = k_new.shape[1]
         for t in (q, k_new, v_new):
@@ -132,7 +132,8 @@ class PagedAttentionKernel:
                       None if write_slots is None else write_slots.data_ptr(),
                       table.data_ptr(), table.stride(0),
                       None if table_rows is None else table_rows.data_ptr(), seq_lens.data_ptr(),
-                      out.data_ptr(), B, Hq, Hkv, D, D ** -0.5, torch.get_num_threads(),
+                      out.data_ptr(), B, Hq, Hkv, D, D ** -0.5 if scale is None else scale,
+                      torch.get_num_threads(),
                       self.tile_min, self.tile_flags)
         if rc != 0:
             raise RuntimeError(f"paged attention kernel failed (rc {rc}) for B={B} Hq={Hq} "

@@ -29,23 +29,67 @@ def weight_targets(model: CausalLM) -> dict[str, torch.Tensor]:
         out["lm_head.weight"] = model.lm_head
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
+        out.update(_layer_targets(cfg, layer, p, q, kv, inter))
+    return out
+
+
+def _layer_targets(cfg: ModelConfig, layer, p: str, q: int, kv: int, inter: int) -> dict[str, torch.Tensor]:
+    out = {p + "self_attn.o_proj.weight": layer.o_proj, p + "input_layernorm.weight": layer.input_norm}
+    if cfg.fused_weights:  # Phi-3 stores them fused, in our row order
+        out.update({p + "self_attn.qkv_proj.weight": layer.qkv_proj,
+                    p + "mlp.gate_up_proj.weight": layer.gate_up_proj})
+    else:
         out.update({
             p + "self_attn.q_proj.weight": layer.qkv_proj[:q],
             p + "self_attn.k_proj.weight": layer.qkv_proj[q:q + kv],
             p + "self_attn.v_proj.weight": layer.qkv_proj[q + kv:],
-            p + "self_attn.o_proj.weight": layer.o_proj,
-            p + "mlp.gate_proj.weight": layer.gate_up_proj[:inter],
-            p + "mlp.up_proj.weight": layer.gate_up_proj[inter:],
-            p + "mlp.down_proj.weight": layer.down_proj,
-            p + "input_layernorm.weight": layer.input_norm,
-            p + "post_attention_layernorm.weight": layer.post_norm,
         })
-        if layer.qkv_bias is not None:
-            out.update({p + "self_attn.q_proj.bias": layer.qkv_bias[:q],
-                        p + "self_attn.k_proj.bias": layer.qkv_bias[q:q + kv],
-                        p + "self_attn.v_proj.bias": layer.qkv_bias[q + kv:]})
-        if layer.o_bias is not None:
-            out[p + "self_attn.o_proj.bias"] = layer.o_bias
+    if layer.moe is not None:
+        out.update(_expert_targets(cfg, layer.moe, p))
+    elif not cfg.fused_weights:
+        out.update({p + "mlp.gate_proj.weight": layer.gate_up_proj[:inter],
+                    p + "mlp.up_proj.weight": layer.gate_up_proj[inter:],
+                    p + "mlp.down_proj.weight": layer.down_proj})
+    else:
+        out[p + "mlp.down_proj.weight"] = layer.down_proj
+    if cfg.gemma:  # post_attention_layernorm norms the attention output there
+        out.update({p + "post_attention_layernorm.weight": layer.attn_out_norm,
+                    p + "pre_feedforward_layernorm.weight": layer.post_norm,
+                    p + "post_feedforward_layernorm.weight": layer.mlp_out_norm})
+    else:
+        out[p + "post_attention_layernorm.weight"] = layer.post_norm
+    if layer.q_norm is not None:
+        out.update({p + "self_attn.q_norm.weight": layer.q_norm,
+                    p + "self_attn.k_norm.weight": layer.k_norm})
+    if layer.qkv_bias is not None:
+        out.update({p + "self_attn.q_proj.bias": layer.qkv_bias[:q],
+                    p + "self_attn.k_proj.bias": layer.qkv_bias[q:q + kv],
+                    p + "self_attn.v_proj.bias": layer.qkv_bias[q + kv:]})
+    if layer.o_bias is not None:
+        out[p + "self_attn.o_proj.bias"] = layer.o_bias
+    return out
+
+
+def _expert_targets(cfg: ModelConfig, moe, p: str) -> dict[str, torch.Tensor]:
+    """Per-expert checkpoint names (Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down) -> their
+    slices of the stacked expert weights."""
+    inter = moe.spec.intermediate_size
+    if cfg.architecture == "MixtralForCausalLM":
+        base, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        base, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    out = {base + "gate.weight": moe.router}
+    if moe.shared_gate_up is not None:  # Qwen2-MoE
+        s = moe.spec.shared_intermediate_size
+        out.update({base + "shared_expert.gate_proj.weight": moe.shared_gate_up[:s],
+                    base + "shared_expert.up_proj.weight": moe.shared_gate_up[s:],
+                    base + "shared_expert.down_proj.weight": moe.shared_down,
+                    base + "shared_expert_gate.weight": moe.shared_gate})
+    for e in range(moe.spec.num_experts):
+        x = f"{base}experts.{e}."
+        out.update({x + names[0] + ".weight": moe.gate_up[e, :inter],
+                    x + names[1] + ".weight": moe.gate_up[e, inter:],
+                    x + names[2] + ".weight": moe.down[e]})
     return out
 
 

@@ -2,7 +2,11 @@
 
 Every tensor is dequantized to float32 and renamed to HF names; llama.cpp's q/k row
 permutation (applied by its converter for the `llama` architecture only) is undone per head.
-The tokenizer is rebuilt from the GGUF metadata (see gguf_tokenizer.py).
+The tokenizer is rebuilt from the GGUF metadata (see gguf_tokenizer.py). Phi-3 keeps its
+fused weights, and its longrope factors come from the rope_factors_* tensors.
+Sliding windows: `{arch}.attention.sliding_window` where written; a Mistral 7B v0.1 file
+written without it (llama architecture, RoPE base 10000, context past 4096) gets that
+model's known 4096-token window rather than full attention.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from safetensors.numpy import save_file
 from .gguf_tokenizer import GGUFTokenizerData, build_tokenizer, tokenizer_config
 from .hf_config import UnsupportedModel
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
+MISTRAL_V01_WINDOW = 4096
 
 
 @dataclass(frozen=True)
@@ -28,12 +33,18 @@ class ArchSpec:
     hf_architecture: str
     model_type: str
     unpermute_qk: bool  # llama.cpp permutes q/k rows for the llama architecture only
+    layer_names: tuple[tuple[str, str], ...] = ()  # this architecture's own tensor names
 
 
 GGUF_ARCHITECTURES = {
     "llama": ArchSpec("LlamaForCausalLM", "llama", True),
     "qwen2": ArchSpec("Qwen2ForCausalLM", "qwen2", False),
+    "qwen3": ArchSpec("Qwen3ForCausalLM", "qwen3", False),
+    # Phi-3 keeps HF's fused q/k/v and gate/up weights (ffn_up holds gate rows, then up rows)
+    "phi3": ArchSpec("Phi3ForCausalLM", "phi3", False,
+                     (("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj"))),
 }
+ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -44,6 +55,7 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -71,14 +83,15 @@ class GGUFMetadata:
         return v
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, spec: ArchSpec | None = None) -> str:
     """llama.cpp tensor name -> HF transformers name."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = {**_LAYER_NAMES, **dict(spec.layer_names if spec else ())}
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is None or m.group(2) not in names:
         raise UnsupportedModel(f"GGUF tensor {gguf_name!r} has no HF equivalent in this converter")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
 
 
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -94,7 +107,9 @@ def convert_tensors(reader: GGUFReader, spec: ArchSpec, n_heads: int, n_kv_heads
         if t.name == "rope_freqs.weight":
             raise UnsupportedModel("GGUF with rope_freqs (llama3-style rope scaling) is not supported; "
                                    "use the HF directory instead")
-        name = hf_name(t.name)
+        if t.name in ROPE_FACTORS:  # Phi-3 longrope: config values, see rope_factors
+            continue
+        name = hf_name(t.name, spec)
         w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         if spec.unpermute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_rows(w, n_heads)
@@ -104,8 +119,14 @@ def convert_tensors(reader: GGUFReader, spec: ArchSpec, n_heads: int, n_kv_heads
     return out
 
 
+def rope_factors(reader: GGUFReader) -> dict[str, list[float]]:
+    """longrope's per-dimension factors, stored as tensors: {"long_factor": [...], ...}."""
+    return {ROPE_FACTORS[t.name]: [float(x) for x in np.asarray(dequantize(t.data, t.tensor_type)).reshape(-1)]
+            for t in reader.tensors if t.name in ROPE_FACTORS}
+
+
 def hf_config(meta: GGUFMetadata, spec: ArchSpec, arch: str, vocab_size: int, tied: bool,
-              eos_ids: list[int]) -> dict:
+              eos_ids: list[int], factors: dict[str, list[float]] | None = None) -> dict:
     """A config.json for transformers' AutoModelForCausalLM (and our ModelConfig)."""
     hidden = int(meta.require(f"{arch}.embedding_length"))
     heads = int(meta.require(f"{arch}.attention.head_count"))
@@ -136,9 +157,45 @@ def hf_config(meta: GGUFMetadata, spec: ArchSpec, arch: str, vocab_size: int, ti
     }
     if spec.model_type == "llama":
         cfg["attention_bias"] = False
-    if spec.model_type == "qwen2":
+        window = sliding_window(meta, arch)
+        if window:  # Mistral: Llama's layout plus a window on every layer
+            cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=window)
+    if spec.model_type in ("qwen2", "qwen3"):
         cfg["use_sliding_window"] = False
+    if spec.model_type == "phi3":
+        cfg.update(_phi3_config(meta, arch, cfg, factors or {}))
     return cfg
+
+
+def _phi3_config(meta: GGUFMetadata, arch: str, cfg: dict, factors: dict[str, list[float]]) -> dict:
+    """Partial rotary dims, window, and longrope (factors from the rope_factors_* tensors)."""
+    rot = int(meta.get(f"{arch}.rope.dimension_count", cfg["head_dim"]))
+    out: dict = {"partial_rotary_factor": rot / cfg["head_dim"],
+                 "sliding_window": meta.get(f"{arch}.attention.sliding_window")}
+    orig = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if orig:
+        out["original_max_position_embeddings"] = int(orig)
+    if factors:
+        if set(factors) != {"long_factor", "short_factor"} or not orig:
+            raise UnsupportedModel(f"{meta.path}: longrope needs rope_factors_long, rope_factors_short "
+                                   f"and rope.scaling.original_context_length")
+        out["rope_scaling"] = {"rope_type": "longrope", **factors, "original_max_position_embeddings": int(orig)}
+        attn = meta.get(f"{arch}.rope.scaling.attn_factor")
+        if attn is not None:
+            out["rope_scaling"]["attention_factor"] = meta.get_float(f"{arch}.rope.scaling.attn_factor", 1.0)
+    return out
+
+
+def sliding_window(meta: GGUFMetadata, arch: str) -> int | None:
+    """The file's window; else Mistral 7B v0.1's known one where the file is that model."""
+    w = meta.get(f"{arch}.attention.sliding_window")
+    if w:
+        return int(w)
+    name = " ".join(str(meta.get(k) or "") for k in ("general.name", "general.basename")).lower()
+    if "mistral" in name and meta.get_float(f"{arch}.rope.freq_base", 10000.0) == 10000.0 \
+            and int(meta.get(f"{arch}.context_length", 2048)) > MISTRAL_V01_WINDOW:
+        return MISTRAL_V01_WINDOW
+    return None
 
 
 def tokenizer_data(meta: GGUFMetadata, arch: str) -> GGUFTokenizerData:
@@ -174,7 +231,8 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     eos_ids = [i for i in (tok_data.eos_id, meta.get("tokenizer.ggml.eot_token_id")) if i is not None]
     eos_ids = list(dict.fromkeys(eos_ids))
     vocab_size = tensors["model.embed_tokens.weight"].shape[0]
-    config = hf_config(meta, spec, arch, vocab_size, "lm_head.weight" not in tensors, eos_ids)
+    config = hf_config(meta, spec, arch, vocab_size, "lm_head.weight" not in tensors, eos_ids,
+                       rope_factors(reader))
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     del tensors
     build_tokenizer(tok_data).save(os.path.join(out_dir, "tokenizer.json"))

@@ -38,7 +38,8 @@ def main(argv=None) -> None:
         from .roles import ROLES
 
         envs = Envs.read()
-        engine, mcfg, dtype = build_engine(cfg, args.model_dir, envs.cache_dir, args.dp_rank)
+        engine, mcfg, dtype = build_engine(cfg, args.model_dir, envs.cache_dir, args.dp_rank,
+                                           envs.allow_long_context)
         role = ROLES[cfg.role](RoleContext(engine, args.dp_rank, cfg, envs, mcfg, channel.wake))
         info = role.start()
     except Exception as e:  # report start-up failure to the front in one line, then exit

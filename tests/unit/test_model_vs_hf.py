@@ -111,8 +111,11 @@ def test_chunked_prefill_and_batched_decode_match_hf(tiny):
 
 def test_fingerprint_and_eos(tiny):
     _, _, cfg = tiny
-    assert cfg.fingerprint() == {"architecture": cfg.architecture, "num_layers": 2, "num_kv_heads": 2,
-                                 "head_dim": 16}
+    fp = cfg.fingerprint()
+    assert {k: fp[k] for k in ("architecture", "num_layers", "num_kv_heads", "head_dim", "layer_windows")} == {
+        "architecture": cfg.architecture, "num_layers": 2, "num_kv_heads": 2, "head_dim": 16,
+        "layer_windows": [None, None]}
+    assert fp["rope"][:2] == [cfg.rope_theta, cfg.rope_scaling]
     assert cfg.eos_token_ids == (2,)
     assert cfg.qkv_bias == (cfg.architecture == "Qwen2ForCausalLM")
 
