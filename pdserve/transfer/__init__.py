@@ -1,5 +1,5 @@
 """KV transfer: backends that write KV pages into a peer worker's pool and carry small control
-messages (tcp built in, fake for tests, mooncake optional). No torch, no engine imports."""
+messages (tcp built in, fake for tests, mooncake and nixl optional). No torch, no engine imports."""
 
 from .base import (PROTOCOL_VERSION, TransferBackend, TransferError, WriteResult, layout_from_dict,
                    layout_to_dict, peer_name)

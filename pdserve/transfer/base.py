@@ -178,11 +178,12 @@ class TransferBackend(ABC):
     """One endpoint of a KV transfer fabric; a DP worker owns exactly one.
 
     Contract:
-    - `start(layout, host)` registers the local KV pool memory (`layout.base_ptr` ..
-      `+ layout.total_bytes`, which must stay alive until `close()`) and starts listening. It
-      returns this endpoint's descriptor: a json-able dict with at least `backend`, `version`,
-      `ip`, `port` and `instance` (random per start; a restarted peer has a new one). Other
-      endpoints name this one by that dict.
+    - `start(layout, host, port, advertise)` registers the local KV pool memory (`layout.base_ptr`
+      .. `+ layout.total_bytes`, which must stay alive until `close()`) and starts listening on
+      `host` (IPv4 or IPv6; 0.0.0.0 or :: for all). It returns this endpoint's descriptor: a
+      json-able dict with at least `backend`, `version`, `ip` (what peers connect to: `advertise`
+      when given, else `core.netaddr.resolve_advertise_host(host)`), `port` and `instance` (random
+      per start; a restarted peer has a new one). Other endpoints name this one by that dict.
     - `send(peer, msg)` delivers a small json-able dict (msgpack on the wire: tuples come back
       as lists) to `peer`. Per peer, messages and page writes are delivered in the order they
       were issued, reliably or not at all; a message issued after `write_pages` to the same peer
@@ -209,6 +210,7 @@ class TransferBackend(ABC):
 
     name: str = "?"
     protocol_version: int = PROTOCOL_VERSION
+    networked: bool = True  # peers connect to the descriptor's ip:port (False: in-process only)
 
     @classmethod
     def env_options(cls, envs) -> dict:
@@ -220,7 +222,7 @@ class TransferBackend(ABC):
         self.endpoint: dict | None = None
 
     @abstractmethod
-    def start(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0) -> dict:
+    def start(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, advertise: str = "") -> dict:
         ...
 
     @abstractmethod

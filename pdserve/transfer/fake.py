@@ -80,6 +80,7 @@ class FakeBackend(TransferBackend):
     """Fake endpoint on a FakeFabric (a private one if none is given)."""
 
     name = "fake"
+    networked = False
 
     def __init__(self, fabric: FakeFabric | None = None):
         super().__init__()
@@ -89,7 +90,7 @@ class FakeBackend(TransferBackend):
         self._lock = threading.Lock()  # serializes sends/writes, like tcp's per-peer stream
         self._closed = False
 
-    def start(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0) -> dict:
+    def start(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, advertise: str = "") -> dict:
         if self.endpoint is not None or self._closed:
             raise TransferError("a fake backend starts once; create a new one")
         self.layout = layout

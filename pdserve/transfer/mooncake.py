@@ -18,6 +18,7 @@ import time
 from dataclasses import replace
 
 from ..core.kv_layout import KVLayout
+from ..core.netaddr import host_port
 from .base import PageCopy, TransferBackend, TransferError, peer_name
 from .tcp import TcpBackend
 
@@ -100,19 +101,20 @@ class MooncakeBackend(TransferBackend):
         return {"protocol": envs.mooncake_protocol, "device": envs.mooncake_device}
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0) -> dict:
+    def start(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, advertise: str = "") -> dict:
         with self._lock:
             if self.endpoint is not None or self._closed or self._engine is not None:
                 raise TransferError("a mooncake backend starts once; create a new one")
             # no pages behind the control channel: any page write sent to it is refused
-            ctl_ep = self._ctl.start(replace(layout, num_pages=0, num_regions=0, region_stride=0), host, port)
+            ctl_ep = self._ctl.start(replace(layout, num_pages=0, num_regions=0, region_stride=0), host, port,
+                                     advertise)
             try:
                 engine = self._init_engine(ctl_ep["ip"], layout)
             except BaseException:
                 self._ctl.close()
                 raise
             self._engine, self.layout = engine, layout
-            self.endpoint = self._ctl.publish({"session": f"{ctl_ep['ip']}:{engine.get_rpc_port()}",
+            self.endpoint = self._ctl.publish({"session": host_port(ctl_ep["ip"], engine.get_rpc_port()),
                                                "base_ptr": layout.base_ptr, "protocol": self.protocol})
             return dict(self.endpoint)
 

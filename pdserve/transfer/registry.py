@@ -11,6 +11,7 @@ BACKENDS: dict[str, str] = {
     "tcp": "pdserve.transfer.tcp:TcpBackend",
     "fake": "pdserve.transfer.fake:FakeBackend",
     "mooncake": "pdserve.transfer.mooncake:MooncakeBackend",
+    "nixl": "pdserve.transfer.nixl:NixlBackend",
 }
 
 

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..core.kv_layout import KVLayout
+from ..core.netaddr import AddressError, family_of, host_port, resolve_advertise_host, strip_brackets
 from . import tcp_wire as wire
 from .base import Inbox, PageCopy, TransferBackend, TransferError, memory_view, out_of_bounds, peer_name
 
@@ -33,17 +34,6 @@ class _OutConn:
 
     sock: socket.socket | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-def _advertised_ip(host: str) -> str:
-    if host not in ("", "0.0.0.0"):
-        return host
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))  # no packet is sent; picks the outbound interface
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
 
 
 class TcpBackend(TransferBackend):
@@ -79,12 +69,17 @@ class TcpBackend(TransferBackend):
         self._mem = memoryview(bytearray())
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0) -> dict:
+    def start(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, advertise: str = "") -> dict:
         if self.endpoint is not None or self._closed:
             raise TransferError("a tcp backend starts once; create a new one")
+        try:
+            ip = resolve_advertise_host(host, advertise)
+        except AddressError as e:
+            raise TransferError(f"tcp transfer backend: {e}") from None
         self.layout = layout
         self._mem = memory_view(layout.base_ptr, layout.total_bytes)
-        lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        host = strip_brackets(host)
+        lst = socket.socket(family_of(host), socket.SOCK_STREAM)
         try:
             lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._tune(lst)  # accepted sockets inherit the buffer sizes (window scale is set at SYN)
@@ -92,11 +87,11 @@ class TcpBackend(TransferBackend):
             lst.listen(128)
         except OSError as e:
             lst.close()
-            raise TransferError(f"tcp transfer backend cannot listen on {host}:{port}: {e}") from None
+            raise TransferError(f"tcp transfer backend cannot listen on {host_port(host, port)}: {e}") from None
         lst.settimeout(0.2)  # the accept loop polls _stop
         self._listener = lst
         self.endpoint = {"backend": self.name, "version": self.protocol_version,
-                         "ip": _advertised_ip(host), "port": lst.getsockname()[1],
+                         "ip": ip, "port": lst.getsockname()[1],
                          "instance": secrets.token_hex(8)}
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True,
                                           name=f"pdserve-tcp-accept-{self.endpoint['port']}")
@@ -211,7 +206,7 @@ class TcpBackend(TransferBackend):
 
     def _connect(self, peer: dict, name: str) -> socket.socket:
         deadline = time.monotonic() + self.connect_timeout
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock = socket.socket(family_of(peer["ip"]), socket.SOCK_STREAM)
         try:
             self._tune(sock, self._same_host(peer["ip"], self.endpoint["ip"]))
             sock.settimeout(self.connect_timeout)
@@ -280,7 +275,10 @@ class TcpBackend(TransferBackend):
     def _handshake(self, sock: socket.socket) -> dict | None:
         """Read the peer's hello and answer it; the sender's descriptor, or None if refused."""
         sock.settimeout(self.connect_timeout)
-        kind, _, n = wire.read_frame(sock)
+        frame = wire.read_frame(sock, eof_ok=True)
+        if frame is None:  # closed before a hello: a reachability probe (core.netaddr)
+            return None
+        kind, _, n = frame
         msg = wire.read_dict(sock, n) if kind == Frame.HELLO else {}
         error = wire.hello_refusal(msg, self.name, self.protocol_version, self.endpoint)
         sock.sendall(wire.dict_frame(Frame.HELLO_ACK, {"ok": error is None, "error": error,

@@ -7,6 +7,7 @@ import logging
 from ..core.errors import BadRequest
 from ..core.log_format import fields
 from ..core.messages import GenerateReq
+from ..core.netaddr import AddressError, check_reachable
 from ..transfer.base import TransferBackend, layout_to_dict
 from ..transfer.registry import backend_class
 from .role import RoleContext
@@ -19,7 +20,15 @@ def start_backend(ctx: RoleContext) -> tuple[TransferBackend, dict]:
     cls = backend_class(ctx.cfg.transfer_backend)
     backend = cls(**cls.env_options(ctx.envs))
     layout = ctx.engine.pool.layout()
-    endpoint = backend.start(layout, host=ctx.cfg.host)
+    port = ctx.cfg.transfer_port + ctx.dp_rank if ctx.cfg.transfer_port else 0
+    endpoint = backend.start(layout, host=ctx.cfg.host, port=port, advertise=ctx.cfg.advertise_host)
+    try:  # a decode or prefill elsewhere will connect to what we advertise: prove it answers
+        if backend.networked:
+            check_reachable(endpoint["ip"], endpoint["port"],
+                            f"the {ctx.cfg.transfer_backend} transfer endpoint of dp_rank {ctx.dp_rank}")
+    except AddressError:
+        backend.close()
+        raise
     local = {
         "backend": ctx.cfg.transfer_backend,
         "page_size": layout.page_size,
@@ -35,14 +44,16 @@ def require_pd(req: GenerateReq, role: str) -> None:
     if req.pd is None:
         raise BadRequest(f"request {req.rid}: a {role} server needs bootstrap_host, bootstrap_port "
                          "and bootstrap_room")
-    if req.sampling.max_new_tokens < 1:
-        raise BadRequest(f"request {req.rid}: max_new_tokens must be >= 1 for a disaggregated request")
+    # max_new_tokens 0 is served too: the prefill still samples a first token, which the decode
+    # drops (Engine.add_prefilled), e.g. for an echo of the prompt's logprobs
 
 
 def log_handoff(done) -> None:
     """One line per finished handoff (disagg.handoff.HandoffDone): room, ranks, timings, cause."""
     extra = fields(room=done.room, rid=done.rid, **{k: v for k, v in done.meta.items() if k != "bootstrap_room"})
-    if done.ok:
+    if done.dropped:  # the decode prefilled the room itself: an outcome, not a failure
+        log.info("handoff dropped", extra={**extra, "reason": done.reason})
+    elif done.ok:
         log.info("handoff ok", extra=extra)
     else:
         log.warning("handoff failed", extra={**extra, "reason": done.reason})

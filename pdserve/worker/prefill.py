@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from ..core.errors import PDServeError
 from ..core.messages import GenerateReq, TokenOutput
+from ..core.netaddr import local_connect_host
 from ..disagg.bootstrap_client import BootstrapClient, bootstrap_addr
 from ..disagg.bootstrap_table import RankInfo
 from ..disagg.kv_sender import PrefillSender
-from ..engine.sequence import EngineRequest, StepOutput
+from ..engine.sequence import StepOutput
 from .colocated import ColocatedRole
 from .pd_common import log_handoff, require_pd, start_backend
 from .pump import MessagePump
-from .role import WorkerRole, error_output, to_token_output
+from .role import WorkerRole, engine_request, error_output, to_token_output
 
 REGISTER_DEADLINE_S = 120.0
 class PrefillRole(WorkerRole):
@@ -40,7 +41,8 @@ class PrefillRole(WorkerRole):
         with BootstrapClient(timeout=5.0, token=token) as client:
             # a KV request naming another instance was resolved before a restart: refused at once
             self.sender.instance_id = client.register_rank(
-                bootstrap_addr("127.0.0.1", cfg.bootstrap_port), info, deadline_s=REGISTER_DEADLINE_S)
+                bootstrap_addr(local_connect_host(cfg.host), cfg.bootstrap_port), info,
+                deadline_s=REGISTER_DEADLINE_S)
         return {"transfer_endpoint": ep}
 
     def on_generate(self, req: GenerateReq) -> list[TokenOutput]:
@@ -52,8 +54,7 @@ class PrefillRole(WorkerRole):
             if self.sender.holds(room):  # never fail or overwrite the live one
                 return [error_output(req.rid, 400, f"bootstrap_room {room} is already in flight on "
                                      f"prefill dp_rank {self.dp_rank}", "invalid_request_error")]
-            self.engine.add(EngineRequest(req.rid, req.input_ids, req.sampling.replace(max_new_tokens=1),
-                                          req.return_logprob, hold_kv=True))
+            self.engine.add(engine_request(req, req.sampling.replace(max_new_tokens=1), hold_kv=True))
         except PDServeError as e:
             if req.pd is not None:  # a decode asking for this room must fail at once too
                 self.sender.mark_failed(req.pd.bootstrap_room, e.message)
@@ -73,8 +74,9 @@ class PrefillRole(WorkerRole):
                 continue
             self.first[o.rid] = o
             self.sender.prefill_done(room, o.held_pages or [], {
-                "first_token": o.token_id, "first_logprob": o.logprob,
-                "input_logprobs": o.input_logprobs, "prompt_len": o.prompt_tokens,
+                "first_token": o.token_id, "first_logprob": o.logprob, "first_top_logprobs": o.top_logprobs,
+                "input_logprobs": o.input_logprobs, "input_top_logprobs": o.input_top_logprobs,
+                "prompt_len": o.prompt_tokens,
                 "cached_tokens": o.cached_tokens})
         return local + self.poll()
 
