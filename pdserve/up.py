@@ -2,8 +2,10 @@
 
 Starts the three as child processes (each in its own process group, output in a log file),
 waits until each answers /health, prints the URL and an example request, and stops every
-child on Ctrl-C or SIGTERM, start-up included. `--ask TEXT` sends one chat request through the
-router, prints only the answer on stdout, and stops everything.
+child on Ctrl-C or SIGTERM, start-up included. The children die with `up` however it dies
+(core/child_process.py: a parent-death signal), and their DP workers die with them.
+`--ask TEXT` sends one chat request through the router, prints only the answer on stdout, and
+stops everything.
 """
 
 from __future__ import annotations
@@ -20,9 +22,16 @@ import time
 import urllib.error
 import urllib.request
 
+from .core.child_process import spawn_child
 from .core.cpu_binding import split_among_servers
+from .core.netaddr import host_port, local_connect_host
 
 STOP_GRACE_S = 20.0  # SIGTERM, then SIGKILL to the whole group
+
+
+def _url(bind_host: str, port: int) -> str:
+    """Where this machine reaches a listener bound to bind_host (IPv6 bracketed)."""
+    return "http://" + host_port(local_connect_host(bind_host), port)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap-port", type=int, default=8998)
     p.add_argument("--prefill-dp", type=int, default=2)
     p.add_argument("--decode-dp", type=int, default=2)
-    p.add_argument("--transfer-backend", default="tcp", choices=["tcp", "mooncake"])
+    p.add_argument("--transfer-backend", default="tcp", choices=["tcp", "mooncake", "nixl"])
     p.add_argument("--max-total-tokens", type=int, default=32768, help="KV pool tokens per worker")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--disable-prefix-cache", "--disable-radix-cache", action="store_true",
@@ -128,8 +137,8 @@ class Cluster:
         cmd = [sys.executable, "-m", "pdserve", *args]
         log_path = os.path.join(self.log_dir, f"{name}.log")
         with self.signals.deferred(), open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+            proc = spawn_child(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               start_new_session=True)  # from the main thread: it outlives them
             self.procs.append((name, proc, log_path))
 
     def start(self) -> None:
@@ -144,12 +153,12 @@ class Cluster:
                                 "--cpu-bind", p_cpus, *common])
         self._spawn("decode", ["serve", "--role", "decode", "--port", str(a.decode_port),
                                "--dp-size", str(a.decode_dp), "--cpu-bind", d_cpus, *common])
-        self._wait(f"http://{a.host}:{a.prefill_port}/health", "prefill")
-        self._wait(f"http://{a.host}:{a.decode_port}/health", "decode")
+        self._wait(_url(a.host, a.prefill_port) + "/health", "prefill")
+        self._wait(_url(a.host, a.decode_port) + "/health", "decode")
         self._spawn("router", ["router", "--pd-disaggregation", "--host", a.host, "--port", str(a.port),
-                               "--prefill", f"http://{a.host}:{a.prefill_port}", str(a.bootstrap_port),
-                               "--decode", f"http://{a.host}:{a.decode_port}", "--policy", a.policy])
-        self._wait(f"http://{a.host}:{a.port}/health", "router")
+                               "--prefill", _url(a.host, a.prefill_port), str(a.bootstrap_port),
+                               "--decode", _url(a.host, a.decode_port), "--policy", a.policy])
+        self._wait(_url(a.host, a.port) + "/health", "router")
 
     def _wait(self, url: str, name: str) -> None:
         deadline = time.monotonic() + self.a.start_timeout
@@ -203,12 +212,12 @@ def main(argv: list[str] | None = None) -> None:
     signals = StopSignals()
     cluster = Cluster(a, model_dir, log_dir, signals)
     signals.install()
-    url = f"http://{a.host}:{a.port}"
+    url = _url(a.host, a.port)
     print(f"pdserve up: starting router + prefill (dp {a.prefill_dp}) + decode (dp {a.decode_dp}); "
           f"logs in {log_dir}", file=sys.stderr, flush=True)
     try:
         cluster.start()
-        example = {"model": "default", "messages": [{"role": "user", "content": a.ask or "What is the capital of France?"}],
+        example = {"messages": [{"role": "user", "content": a.ask or "What is the capital of France?"}],
                    "max_tokens": a.max_tokens, "temperature": 0}
         if a.ask is not None:
             reply = _post(f"{url}/v1/chat/completions", example)

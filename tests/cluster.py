@@ -17,6 +17,9 @@ FAST_ENV = {  # short deadlines so failures show up in seconds
     "PDSERVE_BOOTSTRAP_TIMEOUT": "8", "PDSERVE_WAITING_TIMEOUT": "20",
     "PDSERVE_DP_RANK_QUERY_TIMEOUT": "10", "PDSERVE_TOPOLOGY_TIMEOUT": "5",
     "PDSERVE_HEARTBEAT_INTERVAL": "0.5", "PDSERVE_HEARTBEAT_MAX_FAILURE": "2",
+    # pages of a room failed while its prefill was unheard: shorter than a partition's write could
+    # take (tests of partitions set their own), long enough to see them held
+    "PDSERVE_KV_QUARANTINE_TIMEOUT": "4",
 }
 
 

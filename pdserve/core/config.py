@@ -30,15 +30,29 @@ class ServerConfig:
 
     role: Role = _opt("server role", tuple(r.value for r in Role), default=Role.COLOCATED)
     model: str = _opt("local HF dir, .gguf file, or 'smollm2-135m' (default)", default="smollm2-135m")
-    host: str = _opt("HTTP bind address", default="127.0.0.1")
+    host: str = _opt("bind address of every listener (HTTP, bootstrap service, transfer endpoints); "
+                     "0.0.0.0 or :: for all", default="127.0.0.1")
+    advertise_host: str = _opt(
+        "address peers are told for this server's bootstrap service and transfer endpoints (default: "
+        "--host; for 0.0.0.0 or ::, --advertise-interface's address or the default route's; also "
+        "PDSERVE_ADVERTISE_HOST or SGLang's SGLANG_HOST_IP)", default="")
+    advertise_interface: str = _opt(
+        "with --host 0.0.0.0 or ::, advertise this network interface's address (also "
+        "PDSERVE_ADVERTISE_INTERFACE or SGLang's SGLANG_LOCAL_IP_NIC)", default="")
     port: int = _opt("HTTP port", default=30000)
     dp_size: int = _opt("number of data-parallel worker processes", default=1)
     load_balance_method: str = _opt("DP dispatch method", LB_METHODS, default="auto")
-    bootstrap_port: int = _opt("prefill bootstrap service port", default=DEFAULT_BOOTSTRAP_PORT)
-    transfer_backend: str = _opt("KV transfer backend", ("tcp", "mooncake"), default="tcp")
+    bootstrap_port: int = _opt("prefill bootstrap service port", default=DEFAULT_BOOTSTRAP_PORT,
+                               aliases=("--disaggregation-bootstrap-port",))
+    transfer_port: int = _opt("port of DP rank 0's transfer endpoint; rank r listens on this + r, so a "
+                              "firewall or a proxy can name them (0 = any free port)", default=0)
+    transfer_backend: str = _opt("KV transfer backend", ("tcp", "mooncake", "nixl"), default="tcp",
+                                 aliases=("--disaggregation-transfer-backend",))
     force_query_prefill_dp_rank: bool = _opt(
         "prefill: allow mixed routing; decode: always query the prefill DP rank", default=False)
-    dtype: str = _opt("weights and KV dtype", ("auto", "bfloat16", "float32"), default="auto")
+    dtype: str = _opt("weights and KV dtype (auto: the checkpoint's torch_dtype if bfloat16 or float16, "
+                      "else bfloat16 where supported)", ("auto", "bfloat16", "float16", "float32"),
+                      default="auto")
     device: str = _opt("torch device", ("cpu", "cuda"), default="cpu")
     page_size: int = _opt("tokens per KV page", default=16)
     max_total_tokens: int = _opt("KV pool size in tokens per worker (0 = from --mem-fraction)", default=0)
@@ -61,6 +75,19 @@ class ServerConfig:
         "decode: also prefill a PD request here when its prefill server last reported more than this "
         "many prompt tokens queued or in flight (bootstrap /health, read on each heartbeat; 0 = never)",
         default=0)
+    num_reserved_decode_tokens: int = _opt(
+        "decode: KV tokens kept for the generation of each request (running, or holding pages for its "
+        "KV), at most its max_new_tokens still to come; a handoff is admitted only when the pool holds "
+        "its prompt (less the pages reused from the prefix cache) plus these (SGLang's flag)", default=512)
+    max_queued_handoffs: int = _opt(
+        "decode: handoffs per DP worker waiting for KV pages, in arrival order; one more is refused "
+        "at once with 429 (0 = refuse at once a handoff the pool cannot hold)", default=64)
+    handoff_queue_timeout: float = _opt(
+        "decode: seconds a handoff waits for KV pages before it is refused with 429", default=30.0)
+    max_held_prefill_tokens: int = _opt(
+        "prefill: prompt tokens of PD requests a DP rank holds at once (prefilling, holding KV for a "
+        "slow decode, or sending it); a request beyond it is refused at once with 429, unless the rank "
+        "holds none (0 = no limit)", default=0)
     context_length: int = _opt("max prompt + output tokens (0 = the model's)", default=0)
     cpu_kernels: str = _opt("bfloat16 on CPU: auto (our AVX-512 BF16 C kernels for attention, "
                             "norms and RoPE, built with gcc at first use, where the CPU has it) or "
@@ -85,8 +112,16 @@ class ServerConfig:
     log_format: str = _opt("log lines: text (key=value) or json, one line per event", ("text", "json"),
                            default="text")
     instance_id: str = _opt("server instance id in logs and metrics (default: random per start)", default="")
-    served_model_name: str = _opt("model name reported by /v1/models (default: model dir name)",
-                                  default="")
+    served_model_name: tuple[str, ...] = _opt(
+        "model names the OpenAI routes answer to, first one reported (vLLM/SGLang's flag; may take several; "
+        "default: the model dir name); another `model` in a request is a 404", default=())
+    tool_call_parser: str = _opt("tool-call format parsed from chat answers (vLLM's names; default: the one "
+                                 "the chat template uses, if any)", ("hermes", "llama3_json"), default="")
+    reasoning_parser: str = _opt("split <think>...</think> into reasoning_content (vLLM/SGLang's names)",
+                                 ("deepseek_r1", "qwen3"), default="")
+    generation_config: str = _opt("sampling defaults for fields a request leaves unset: auto (the model's "
+                                  "generation_config.json), vllm (none: the API defaults) or a directory "
+                                  "holding a generation_config.json (vLLM's flag)", default="auto")
 
     def __post_init__(self) -> None:
         from .cpu_binding import rank_cpus
@@ -99,6 +134,16 @@ class ServerConfig:
                 raise ValueError(f"{flag} applies to --role decode only")
             if getattr(self, name) < 0:
                 raise ValueError(f"{flag} must be >= 0")
+        for name in ("num_reserved_decode_tokens", "max_queued_handoffs", "max_held_prefill_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        if self.max_held_prefill_tokens and Role(self.role) is not Role.PREFILL:
+            raise ValueError("--max-held-prefill-tokens applies to --role prefill only")
+        if not self.handoff_queue_timeout > 0:
+            raise ValueError(f"--handoff-queue-timeout must be > 0, got {self.handoff_queue_timeout}")
+        if self.transfer_port and not 0 < self.transfer_port <= 65536 - max(1, self.dp_size):
+            raise ValueError(f"--transfer-port {self.transfer_port}: ports {self.transfer_port}.."
+                             f"{self.transfer_port + max(1, self.dp_size) - 1} must lie in 1..65535")
         if self.chunked_prefill_size < 1:
             raise ValueError(f"--chunked-prefill-size must be >= 1, got {self.chunked_prefill_size}")
         if self.max_num_batched_tokens and self.max_num_batched_tokens <= self.max_running_requests:
@@ -125,6 +170,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[s
         if kind is bool:
             parser.add_argument(*names, action="store_true", default=default, **kw)
             continue
+        if typing.get_origin(kind) is tuple:  # tuple[str, ...]: one or more values
+            parser.add_argument(*names, nargs="+", default=default, **kw)
+            continue
         if isinstance(default, enum.Enum):
             kw["type"] = str
             default = default.value
@@ -144,7 +192,11 @@ def dataclass_from_args(cls: type, args: argparse.Namespace, **override):
         elif hasattr(args, f.name):
             v = getattr(args, f.name)
             kind = hints[f.name]
-            kw[f.name] = kind(v) if isinstance(kind, type) and issubclass(kind, enum.Enum) else v
+            if isinstance(kind, type) and issubclass(kind, enum.Enum):
+                v = kind(v)
+            elif typing.get_origin(kind) is tuple:
+                v = tuple(v)
+            kw[f.name] = v
     return cls(**kw)
 
 
@@ -156,4 +208,5 @@ def config_to_json(cfg: ServerConfig) -> str:
 def config_from_json(text: str) -> ServerConfig:
     d = json.loads(text)
     d["role"] = Role(d["role"])
+    d["served_model_name"] = tuple(d.get("served_model_name") or ())
     return ServerConfig(**d)

@@ -66,12 +66,22 @@ REGISTRY: tuple[EnvVar, ...] = (
            "seconds between decode heartbeats to each prefill bootstrap /health"),
     EnvVar("PDSERVE_HEARTBEAT_MAX_FAILURE", 2, ("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE",),
            "missed heartbeats before a prefill is declared gone"),
+    EnvVar("PDSERVE_KV_QUARANTINE_TIMEOUT", 0.0, (),
+           "seconds a decode keeps the KV pages of a room it failed while its prefill was unheard "
+           "(a late write may still land); unset: PDSERVE_BOOTSTRAP_TIMEOUT + the transfer io timeout"),
     EnvVar("PDSERVE_ROOM_TTL", 600.0, (), "seconds a bootstrap table entry lives"),
     EnvVar("PDSERVE_BOOTSTRAP_TOKEN", "", (),
            "cluster token the bootstrap service requires on PUT /route and /register_dp_rank"),
     EnvVar("PDSERVE_CACHE_DIR", "", (), "where converted models are cached (default ~/.cache/pdserve)"),
     EnvVar("PDSERVE_MOONCAKE_PROTOCOL", "tcp", (), "mooncake transfer backend protocol: tcp or rdma"),
     EnvVar("PDSERVE_MOONCAKE_DEVICE", "", (), "mooncake RDMA device name(s), e.g. mlx5_0 (empty: Mooncake picks)"),
+    EnvVar("PDSERVE_ALLOW_LONG_CONTEXT", False,
+           ("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN"),
+           "allow --context-length above the model's max_position_embeddings"),
+    EnvVar("PDSERVE_ADVERTISE_HOST", "", ("SGLANG_HOST_IP",),
+           "address peers are told (--advertise-host wins over it)"),
+    EnvVar("PDSERVE_ADVERTISE_INTERFACE", "", ("SGLANG_LOCAL_IP_NIC",),
+           "interface whose address a wildcard --host advertises (--advertise-interface wins)"),
 )
 
 
@@ -86,11 +96,15 @@ class Envs:
     dp_rank_query_timeout: float = 30.0
     heartbeat_interval: float = 5.0
     heartbeat_max_failure: int = 2
+    kv_quarantine_timeout: float = 0.0  # 0: derived (worker/decode.py quarantine_timeout)
     room_ttl: float = 600.0
     bootstrap_token: str = ""
     cache_dir: str = ""
     mooncake_protocol: str = "tcp"
     mooncake_device: str = ""
+    allow_long_context: bool = False
+    advertise_host: str = ""
+    advertise_interface: str = ""
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> "Envs":

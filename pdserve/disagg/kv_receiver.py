@@ -4,10 +4,13 @@ Life of a room: accept() -> resolve the prefill rank and endpoint (background) -
 pages (`reserve` callback, retried while the pool is full) -> send kv_req to that prefill
 worker -> its kv_done arrives after the pages landed -> poll() reports it finished. Any
 failure (resolution, send, kv_fail, heartbeat loss, deadline, abort) finishes the room with a
-reason naming room, ranks and cause (and a FailureCause); the caller then frees the room's pages.
-Each room also keeps the wall-clock times of its stages (core.timeline) for the front. A room whose
-kv_req may have reached the prefill is only reported after the prefill answered our kv_abort
-(or `abort_grace` passed): until then a write of its KV could still land in those pages.
+reason naming room, ranks and cause (and a FailureCause); the caller then frees the room's pages,
+except for a room that `holds()` them: its prefill may still write them (it was unheard, or never
+answered our kv_abort), so the caller answers the client at once and frees the pages only when
+`released()` names the room (the machine's QUARANTINED state). Each room also keeps the
+wall-clock times of its stages (core.timeline) for the front. A room whose kv_req may have
+reached the prefill is only reported after the prefill answered our kv_abort (or `abort_grace`
+passed, and its pages stay quarantined).
 A KvMoved (the rank we addressed forwarded our KvReq) points the room at the holder's rank and
 endpoint. `on_alive(addr, instance)` from the heartbeat fails the rooms resolved against another
 instance of that prefill (it restarted and lost them); rooms still resolving are left to their
@@ -33,10 +36,10 @@ from typing import Callable
 from ..core.errors import PDServeError
 from ..transfer.base import TransferBackend, TransferError
 from . import wire
-from .decode_machine import (Abort, Accept, CancelResolve, DecodeHandoffs, DecodeRoom, Effect, Event,
-                             GiveUp, Invalidate, KvReqSent, Log, Malformed, PagesReserved,
-                             PeerAlive, PeerGone, RankResolved, Received, Report, Reservation, Reserve,
-                             Resolve, SendAbort, SendKvReq, Tick)
+from .decode_machine import (Abort, Accept, CancelResolve, DecodeHandoffs, DecodeRoom, DecodeState, Effect,
+                             Event, GiveUp, HandoffQueue, Invalidate, KvReqSent, Log, Malformed, PagesReserved,
+                             PeerAlive, PeerGone, RankResolved, Received, Release, Report, Reservation,
+                             Reserve, Resolve, SendAbort, SendKvReq, Tick)
 from .handoff import HandoffDone
 from .rank_resolver import Resolved
 
@@ -51,7 +54,8 @@ class DecodeReceiver:
                  reserve: Callable[[str, int], Reservation | list[int] | None], waiting_timeout: float,
                  wake: Callable[[], None] = lambda: None, threads: int = 2,
                  abort_grace: float = 5.0, invalidate: Callable[[str], None] = lambda addr: None,
-                 give_up: Callable[[str, int, str], None] = lambda addr, room, reason: None):
+                 give_up: Callable[[str, int, str], None] = lambda addr, room, reason: None,
+                 admission: HandoffQueue | None = None, quarantine: float = 360.0):
         self.backend = backend
         self.dp_rank = dp_rank
         self.local = local  # page_size, kv_dtype, fingerprint, backend, layout, endpoint
@@ -61,10 +65,13 @@ class DecodeReceiver:
         self.give_up = give_up  # (addr, room, reason): tell a prefill we cannot reach that the room is off
         self.reserve = reserve
         self.wake = wake
-        self.machine = DecodeHandoffs(dp_rank, local, waiting_timeout=waiting_timeout, abort_grace=abort_grace)
+        self.machine = DecodeHandoffs(dp_rank, local, waiting_timeout=waiting_timeout, abort_grace=abort_grace,
+                                      quarantine=quarantine, queue=admission)
         self.events: queue.Queue = queue.Queue()  # (event class, fields but `now`) from other threads
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kv-recv-{dp_rank}")
         self._finished: list[HandoffDone] = []  # reported by the machine, returned by poll()
+        self._held: set[int] = set()  # rooms reported whose pages stay held (quarantined)
+        self._released: list[int] = []  # held rooms whose pages may go now, returned by released()
         self._addrs_lock = threading.Lock()
         self._addrs: dict[str, int] = {}  # prefill address -> rooms not yet returned by poll()
 
@@ -164,6 +171,15 @@ class DecodeReceiver:
                 log.log(e.level, "%s", e.message, extra={"room": e.room})
             elif isinstance(e, Report):
                 self._finished.append(e.done)
+                if e.held:  # still watched: the heartbeat's word on its prefill can release it
+                    self._held.add(e.done.room)
+                else:
+                    self._unwatch(e.addr)
+            elif isinstance(e, Release):
+                log.info("decode dp_rank %d: room %d: pages out of quarantine", self.dp_rank, e.room,
+                         extra={"room": e.room})
+                self._held.discard(e.room)
+                self._released.append(e.room)
                 self._unwatch(e.addr)
             else:  # pragma: no cover - a new effect without a handler here
                 raise TypeError(f"unknown effect {e!r}")
@@ -218,16 +234,28 @@ class DecodeReceiver:
             log.info("decode dp_rank %d: could not tell prefill about room %s: %s",
                      self.dp_rank, msg.get("room"), e, extra={"room": msg.get("room")})
 
+    def holds(self, room: int) -> bool:
+        """Room `room` was reported but its pages stay held until released() names it."""
+        return room in self._held
+
+    def released(self) -> list[int]:
+        """The rooms reported `holds()` whose pages may be freed now (since the last call)."""
+        out, self._released = self._released, []
+        return out
+
     # ---- counters ----------------------------------------------------------------------------
     def inflight(self) -> int:
         return len(self.rooms)
 
     def preallocated(self) -> int:
-        """Rooms holding reserved pages while they wait for (or just got) their KV."""
+        """Rooms holding reserved pages while they wait for (or just got) their KV, quarantined
+        ones included."""
         return sum(1 for r in self.rooms.values() if r.reservation is not None)
 
     def states(self) -> dict[str, int]:
-        return dict(Counter(r.state.phase.value for r in self.rooms.values()))
+        """Rooms by handoff state; quarantined ones (failed, pages held) count apart."""
+        return dict(Counter(r.state.value if r.state is DecodeState.QUARANTINED else r.state.phase.value
+                            for r in self.rooms.values()))
 
     def close(self, wait: bool = False) -> None:
         """Stop the send threads; `wait` joins them."""

@@ -3,7 +3,9 @@
 
 Shutdown: uvicorn turns SIGTERM/SIGINT into the app's lifespan shutdown, which stops the
 workers (ShutdownReq, wait, kill by pid); a shutdown request during start-up interrupts the
-wait for the workers; an atexit hook kills any worker still alive.
+wait for the workers; an atexit hook kills any worker still alive. A front that dies without any
+of that (SIGKILL, OOM) takes its workers along: the pool spawns them from this main thread's
+event loop with a parent-death signal (core/child_process.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from fastapi import FastAPI
 
 from ..core.config import ServerConfig, add_dataclass_args, dataclass_from_args
 from ..core.log_format import LogContext, configure_logging, new_instance_id
+from ..core.netaddr import AddressError
 from .app import build_app
 from .front import Front
 from .roles import FrontRole
@@ -41,8 +44,12 @@ def run_server(cfg: ServerConfig, model_dir: str, worker_module: str = DEFAULT_W
     cfg = replace(cfg, instance_id=cfg.instance_id or new_instance_id())  # the workers log it too
     configure_logging(cfg.log_level, cfg.log_format, LogContext(cfg.role.value, cfg.instance_id))
     server: uvicorn.Server | None = None
-    app = create_app(cfg, model_dir, worker_module, start_timeout_s=start_timeout_s,
-                     should_abort=lambda: server is not None and server.should_exit)
+    try:
+        app = create_app(cfg, model_dir, worker_module, start_timeout_s=start_timeout_s,
+                         should_abort=lambda: server is not None and server.should_exit)
+    except (AddressError, ValueError) as e:  # also a bad API option (server/api_options.py)
+        print(f"pdserve: {e}", file=sys.stderr)
+        sys.exit(STARTUP_FAILURE)
     front: Front = app.state.front
     atexit.register(front.pool.kill_all)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, log_config=None,

@@ -34,6 +34,8 @@ RANK_GAUGES = {  # WorkerStats field (or extra key) -> gauge name, help
     "preallocated_requests": ("pdserve_worker_preallocated_requests",
                               "PD rooms holding KV pages for a handoff (decode: reserved, prefill: prefilled)"),
     "inflight_transfers": ("pdserve_worker_inflight_transfers", "PD rooms in any handoff state"),
+    "queued_handoffs": ("pdserve_worker_queued_handoffs",
+                        "decode: handoffs waiting in the admission queue for KV pages"),
     "total_pages": ("pdserve_kv_pages_total", "KV pool pages"),
     "free_pages": ("pdserve_kv_pages_free", "free KV pool pages"),
     "cached_pages": ("pdserve_kv_pages_cached", "KV pool pages held only by the prefix cache"),
@@ -87,6 +89,10 @@ class FrontMetrics:
                                 ("role", "finish_reason"))
         self.failures = counter("pdserve_request_failures", "items that failed, by cause", ("role", "cause"))
         self.conflicts = counter("pdserve_dp_rank_conflicts", "follow_bootstrap_room conflicts rejected").labels(role)
+        self.admission_refused = counter(
+            "pdserve_admission_refused", "items refused with 429 by admission control, by why: decode "
+            "queue_full or timeout (no KV pages in time), prefill held_tokens (--max-held-prefill-tokens)",
+            ("role", "reason"))
         self.resolutions = counter("pdserve_dp_rank_resolutions",
                                    "prefill DP ranks resolved by this decode, by path", ("role", "path"))
         self.pd_decisions = counter("pdserve_disagg_decisions",
@@ -135,6 +141,8 @@ class FrontMetrics:
     def rejected(self, error: BaseException, n_items: int) -> None:
         """Items refused before any was sent to a worker (bad input, DP-rank conflict)."""
         message = getattr(error, "message", "") or str(error)
+        if getattr(error, "admission_refused", None):  # pd_roles.HeldTokensFull
+            self.admission_refused.labels(self.role, error.admission_refused).inc(n_items)
         if CONFLICT_PREFIX in message:
             self.conflicts.inc()
             cause = FailureCause.CONFLICT
@@ -167,6 +175,8 @@ class FrontMetrics:
         self.e2e.observe(prog.e2e_latency())
         meta, stages = prog.meta, prog.stages
         if prog.error is not None:
+            if meta.get("admission") == "refused":
+                self.admission_refused.labels(self.role, str(meta.get("admission_refused", ""))).inc()
             cause = cause_of_error(prog.error.type, prog.error.status, meta.get("failure_cause"))
             self.failures.labels(self.role, cause.value).inc()
             reason = "abort" if cause is FailureCause.ABORTED else "error"

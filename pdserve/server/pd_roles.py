@@ -9,17 +9,20 @@ Decode: requires the PD fields and dispatches by its own method.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from ..core.config import Role, ServerConfig
 from ..core.envs import Envs
 from ..core.errors import BadRequest, PDServeError
 from ..core.messages import PDParams, RoomDroppedNotice, RoomFailedNotice, RoomRoutedNotice
+from ..core.netaddr import check_reachable, host_port, is_loopback
 from ..disagg.bootstrap_server import start_bootstrap_server
 from ..disagg.bootstrap_table import BootstrapTable
 from ..core.pd_vocab import MAX_ROOM, check_room
 from ..disagg.dp_rules import decide_prefill_rank
 from .dispatcher import DPDispatcher, LBMethod
+from .limits import RETRY_AFTER_S, Refused
 from .protocol import RequestItem
 from .roles import Dispatch, FrontRole, RoleContext
 
@@ -28,6 +31,16 @@ log = logging.getLogger(__name__)
 
 class RoomRefused(BadRequest):
     """A PD item refused because of its room (a conflict or a room already in flight)."""
+
+    def __init__(self, room: int, message: str):
+        super().__init__(message)
+        self.room = room
+
+
+class HeldTokensFull(Refused):
+    """429: a prefill rank holds too many prompt tokens for slow decodes (--max-held-prefill-tokens)."""
+
+    admission_refused = "held_tokens"
 
     def __init__(self, room: int, message: str):
         super().__init__(message)
@@ -86,8 +99,11 @@ class PrefillFrontRole(FrontRole):
                                                       token=self.token, on_room_failed=self.fail_room,
                                                       on_room_dropped=self.drop_room,
                                                       load_tokens=self.load_tokens)
-        log.info("bootstrap service on %s:%d", self.cfg.host, self.bootstrap.port)
-        if not self.token and self.cfg.host not in ("127.0.0.1", "localhost", "::1"):
+        adv = self.cfg.advertise_host or self.cfg.host
+        log.info("bootstrap service on %s, advertised as %s", host_port(self.cfg.host, self.bootstrap.port),
+                 host_port(adv, self.bootstrap.port))
+        await asyncio.to_thread(check_reachable, adv, self.bootstrap.port, "the bootstrap service")
+        if not self.token and not is_loopback(self.cfg.host):
             log.warning("bootstrap service on %s without --bootstrap-token: anyone who reaches it can "
                         "register a prefill rank or record rooms", self.cfg.host)
 
@@ -110,6 +126,7 @@ class PrefillFrontRole(FrontRole):
         if d.failed_reason is not None:  # rejected(): recorded as failed, workers told
             log.warning("room %d rejected: %s", room, d.failed_reason)
             raise RoomRefused(room, d.failed_reason)
+        self._check_held(room, d.rank, len(item.input_ids))
         if d.record:
             self.table.record(room, d.rank)
         if d.rank != room % dp:  # a decode that cannot know the rank sends its KV request there
@@ -117,6 +134,21 @@ class PrefillFrontRole(FrontRole):
         self.claims[room] = (item.rid, d.rank)
         self.claim_tokens[room] = len(item.input_ids)
         return Dispatch(d.rank, d.path, pd)
+
+    def held_tokens(self, rank: int) -> int:
+        """Prompt tokens of the PD requests in flight on `rank` (their KV is or will be held there)."""
+        return sum(self.claim_tokens.get(room, 0) for room, (_, r) in self.claims.items() if r == rank)
+
+    def _check_held(self, room: int, rank: int, tokens: int) -> None:
+        """--max-held-prefill-tokens: back-pressure (429) before a rank's pool fills with KV
+        waiting for slow decodes; a rank holding nothing takes any prompt, so none starves."""
+        limit = self.cfg.max_held_prefill_tokens
+        held = self.held_tokens(rank) if limit else 0
+        if held and held + tokens > limit:
+            raise HeldTokensFull(room, f"prefill dp_rank {rank} holds {held} prompt tokens of PD requests "
+                                       f"in flight; bootstrap_room {room} adds {tokens}, over "
+                                       f"--max-held-prefill-tokens {limit}: retry after "
+                                       f"{RETRY_AFTER_S}s or on another prefill")
 
     def load_tokens(self) -> int:
         """Prompt tokens of the PD requests in flight here (bootstrap /health reports it)."""

@@ -5,6 +5,8 @@ temp dir), spawns one process per rank, and waits (deadline; fail fast when a pr
 for WorkerReady or WorkerFailed from every rank. While serving, `submit`/`abort`/`stats` talk
 to ranks and a reader task routes each TokenOutput to the sink of its rid; a monitor fails the
 requests of a rank whose process died and calls the `on_dead` hooks. `stop()` sends ShutdownReq, waits, then kills by pid.
+The workers die with the front however it dies (core/child_process.py: a parent-death signal
+armed for the thread that runs `start()`, the front's event loop thread, which outlives them).
 Messages are core.messages dataclasses, pickled.
 """
 
@@ -26,6 +28,7 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
+from ..core.child_process import spawn_child
 from ..core.config import ServerConfig
 from ..core.errors import BadRequest, Timeout, Unavailable
 from ..core.messages import (AbortReq, ErrorInfo, GenerateReq, OutputBatch, ShutdownReq, StatsReq,
@@ -116,7 +119,7 @@ class WorkerPool:
             cmd = worker_command(self.worker_module, r, wcfg, self.model_dir, in_addr, out_addr)
             placement = worker_env(self.cfg, r, os.environ)
             wenv = {**os.environ, **placement, **secrets}
-            self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=wenv))
+            self.procs.append(spawn_child(cmd, stdin=subprocess.DEVNULL, env=wenv))
             log.info("started dp worker rank %d (pid %d, module %s)", r, self.procs[-1].pid, self.worker_module)
         self._tasks.append(asyncio.create_task(self._read_loop(), name="worker-reader"))
 

@@ -1,27 +1,42 @@
 """The decode role: receive each request's KV from its prefill worker, then decode it.
 
 DecodeReceiver resolves the prefill rank, reserves pages through the engine and waits for the
-KV; on success the request joins the engine's running batch from the prefill's first token.
+KV; on success the request joins the engine's running batch from the prefill's first token. A
+failed room whose prefill may still write its pages (quarantined) is answered at once, but its
+pages stay reserved in the engine until the receiver releases them.
 """
 
 from __future__ import annotations
 
 import logging
 
+from ..core.envs import Envs
 from ..core.errors import PDServeError
+from ..core.logprobs import PromptLogprobs
 from ..core.messages import GenerateReq, TokenOutput
 from ..disagg.bootstrap_client import BootstrapClient, bootstrap_addr
 from ..disagg.heartbeat import Heartbeat
+from ..disagg.decode_machine import HandoffQueue
 from ..disagg.kv_receiver import DecodeReceiver, Reservation
 from ..disagg.prefill_peers import PrefillPeers
 from ..disagg.rank_resolver import RankResolver
-from ..engine.sequence import EngineRequest
+from .admission import GenerationReserve, PoolArithmetic
 from .colocated import ColocatedRole
 from .pd_common import log_handoff, require_pd, start_backend
 from .pump import MessagePump
-from .role import WorkerRole, error_output, to_token_output
+from .role import WorkerRole, engine_request, error_output, to_token_output
 
 log = logging.getLogger(__name__)
+TRANSFER_IO_TIMEOUT_S = 60.0  # the io_timeout of the built-in backends (tcp, nixl, mooncake's control path)
+
+
+def quarantine_timeout(envs: Envs, backend) -> float:
+    """How long the pages of a room whose prefill went unheard stay held: PDSERVE_KV_QUARANTINE_TIMEOUT,
+    else longer than that prefill may still write (its room starts a write within its bootstrap
+    deadline or fails; a write stalled for the backend's io timeout fails)."""
+    if envs.kv_quarantine_timeout:
+        return envs.kv_quarantine_timeout
+    return envs.bootstrap_timeout + float(getattr(backend, "io_timeout", TRANSFER_IO_TIMEOUT_S))
 
 
 class DecodeRole(WorkerRole):
@@ -32,11 +47,16 @@ class DecodeRole(WorkerRole):
                                       token=cfg.bootstrap_token or envs.bootstrap_token)
         self.pending: dict[int, GenerateReq] = {}  # room -> request, until its KV arrived
         self.rooms: dict[str, int] = {}  # rid -> room
+        self.quarantined: dict[int, str] = {}  # room -> rid: answered, its pages still reserved
         self.peers = PrefillPeers(self.client)  # all this decode knows of each prefill server
         self.receiver = DecodeReceiver(
             self.backend, self.dp_rank, self.local, resolve=self._resolve, cancel_resolve=self._cancel,
             reserve=self._reserve, waiting_timeout=envs.waiting_timeout, wake=self.ctx.wake,
-            invalidate=self.peers.invalidate, give_up=self._give_up)
+            invalidate=self.peers.invalidate, give_up=self._give_up,
+            admission=HandoffQueue(cfg.max_queued_handoffs, cfg.handoff_queue_timeout),
+            quarantine=quarantine_timeout(envs, self.backend))
+        self.pool_math = PoolArithmetic(self.engine, self.local["page_size"],
+                                        GenerationReserve(cfg.num_reserved_decode_tokens))
         self.resolver = RankResolver(
             self.peers, decode_force=cfg.force_query_prefill_dp_rank or envs.force_query_prefill_dp_rank,
             topology_timeout=envs.topology_timeout, query_timeout=envs.dp_rank_query_timeout,
@@ -49,13 +69,17 @@ class DecodeRole(WorkerRole):
         self.local_max = cfg.disagg_local_prefill_max_tokens
         self.overload = cfg.disagg_prefill_overload_tokens
         self.local_meta: dict[str, dict] = {}  # rid -> meta for the first output of a local prefill
+        self.drops: dict[str, tuple[str, int, str]] = {}  # rid -> drop notice due after its first token
         return {"transfer_endpoint": self.local["endpoint"]}
 
     def _reserve(self, rid: str, prompt_len: int) -> Reservation | None:
-        """Pages for a room's prompt, reusing what this decode's prefix cache holds of it."""
-        room = self.rooms[rid]
-        got = self.engine.reserve_prompt(rid, self.pending[room].input_ids)
-        return None if got is None else Reservation(*got)
+        """Pages for a room's prompt, reusing what this decode's prefix cache holds of it, if
+        they and the generation reserves fit (worker/admission.py); None: it waits its turn."""
+        req = self.pending[self.rooms[rid]]
+        held = {r.rid: (len(q.input_ids), q.sampling.max_new_tokens)
+                for room, q in self.pending.items()
+                if (r := self.receiver.rooms.get(room)) is not None and r.reservation is not None}
+        return self.pool_math.admit(rid, req.input_ids, req.sampling.max_new_tokens, held)
 
     def _give_up(self, addr: str, room: int, reason: str) -> None:
         """Best effort (receiver thread): without it the prefill keeps the room to its deadline."""
@@ -76,11 +100,15 @@ class DecodeRole(WorkerRole):
             return ColocatedRole(self.ctx).on_generate(req)
         try:
             require_pd(req, "decode")
-            self.engine.validate(EngineRequest(req.rid, req.input_ids, req.sampling))
+            self.engine.validate(engine_request(req))
             room = req.pd.bootstrap_room
             if room in self.pending:
                 raise PDServeError(f"bootstrap_room {room} is already in flight on decode dp_rank "
                                    f"{self.dp_rank}")
+            if room in self.quarantined or req.rid in self.quarantined.values():
+                raise PDServeError(f"bootstrap_room {room} / request id {req.rid}: an earlier handoff "
+                                   f"with that room or id still holds KV pages on decode dp_rank "
+                                   f"{self.dp_rank} (quarantined: its prefill may still write them)")
         except PDServeError as e:
             status = 400 if e.status == 500 else e.status
             return [error_output(req.rid, status, e.message, e.type)]
@@ -93,24 +121,27 @@ class DecodeRole(WorkerRole):
                              len(req.input_ids), req.pd.prefill_dp_rank)
         return []
 
-    def _prefill_here_because(self, req: GenerateReq) -> tuple[int, str] | None:
-        """(missing tokens, why) when this decode should prefill `req` itself, else None."""
+    def _prefill_here_because(self, req: GenerateReq) -> tuple[int, str, bool] | None:
+        """(missing tokens, why, prefill overloaded) when this decode should prefill `req`
+        itself, else None."""
         if not (self.local_max or self.overload):
             return None
         missing = len(req.input_ids) - self.engine.cached_prefix_tokens(req.input_ids)
         if self.local_max and missing <= self.local_max:
             return missing, (f"{missing} prompt tokens not in its cache, --disagg-local-prefill-max-tokens "
-                             f"{self.local_max}")
+                             f"{self.local_max}"), False
         load = self.peers.load_tokens(bootstrap_addr(req.pd.bootstrap_host, req.pd.bootstrap_port)) \
             if self.overload else None
         if load is not None and load > self.overload:
             return missing, (f"the prefill reported {load} prompt tokens in flight, "
-                             f"--disagg-prefill-overload-tokens {self.overload}")
+                             f"--disagg-prefill-overload-tokens {self.overload}"), True
         return None
 
-    def _prefill_here(self, req: GenerateReq, missing: int, why: str) -> list[TokenOutput]:
+    def _prefill_here(self, req: GenerateReq, missing: int, why: str, overloaded: bool) -> list[TokenOutput]:
         """Conditional disaggregation: this decode computes the prompt itself (only `missing`
-        tokens are not in its prefix cache) and tells the prefill to drop the room."""
+        tokens are not in its prefix cache) and tells the prefill to drop the room: at once when
+        the prefill is overloaded, else after the first token, so that the notice's work (a thread
+        and an HTTP call) does not share this decode's core with the prompt's compute."""
         room = req.pd.bootstrap_room
         out = ColocatedRole(self.ctx).on_generate(req)
         if out:  # refused by the engine: the prefill leg must not wait for us either
@@ -118,10 +149,18 @@ class DecodeRole(WorkerRole):
         self.local_meta[req.rid] = {"disaggregation": "local", "bootstrap_room": room,
                                     "decode_dp_rank": self.dp_rank, "local_prefill_tokens": missing,
                                     "local_prefill_reason": why}
-        reason = f"decode dp_rank {self.dp_rank} prefilled it ({why})"
-        addr = bootstrap_addr(req.pd.bootstrap_host, req.pd.bootstrap_port)
-        self.receiver.pool.submit(self._drop_room, addr, room, reason)
+        drop = (bootstrap_addr(req.pd.bootstrap_host, req.pd.bootstrap_port), room,
+                f"decode dp_rank {self.dp_rank} prefilled it ({why})")
+        if overloaded:  # the prefill is the bottleneck: spare it the prompt at once
+            self.receiver.pool.submit(self._drop_room, *drop)
+        else:  # this decode's core is: tell the prefill once the first token is out
+            self.drops[req.rid] = drop
         return []
+
+    def _send_drop(self, rid: str) -> None:
+        drop = self.drops.pop(rid, None)
+        if drop is not None:
+            self.receiver.pool.submit(self._drop_room, *drop)
 
     def _drop_room(self, addr: str, room: int, reason: str) -> None:
         """Best effort (receiver thread): without it the prefill holds the room to its deadline."""
@@ -132,12 +171,15 @@ class DecodeRole(WorkerRole):
                         extra={"room": room})
 
     def on_abort(self, rid: str, reason: str) -> list[TokenOutput]:
+        if rid in self.quarantined.values():  # answered already; its pages wait for the receiver
+            return []
         room = self.rooms.get(rid)
         if room is not None and room in self.pending:
             self.receiver.abort(room, f"room {room}: decode request aborted ({reason})")
             return self.poll()
         self.rooms.pop(rid, None)
         self.local_meta.pop(rid, None)
+        self._send_drop(rid)
         if self.engine.abort(rid):
             return [error_output(rid, 499, reason, "aborted")]
         return []
@@ -148,6 +190,7 @@ class DecodeRole(WorkerRole):
             if o.finished:
                 self.rooms.pop(o.rid, None)
             tokens.append(to_token_output(o, self.local_meta.pop(o.rid, None)))
+            self._send_drop(o.rid)
         return tokens
 
     def poll(self) -> list[TokenOutput]:
@@ -161,25 +204,44 @@ class DecodeRole(WorkerRole):
                 continue
             if not done.ok:
                 self.rooms.pop(req.rid, None)
-                self.engine.release(req.rid)
-                outs.append(error_output(req.rid, 500, done.reason, "handoff_error", done.meta, done.stages))
+                if self.receiver.holds(done.room):  # a write may still land: no reuse yet
+                    self.quarantined[done.room] = req.rid
+                else:
+                    self.engine.release(req.rid)
+                refused = done.meta.get("admission") == "refused"  # back-pressure: 429, try elsewhere
+                status, kind = (429, "overloaded_error") if refused else (500, "handoff_error")
+                outs.append(error_output(req.rid, status, done.reason, kind, done.meta, done.stages))
                 continue
             aux = done.aux or {}
+            # SGLang's return_logprob leaves the prompt's logprobs to the prefill's reply (the
+            # router puts them in front); an OpenAI echo gets them in this decode's reply
+            echo = req.prompt_logprobs is PromptLogprobs.IN_REPLY
             step = self.engine.add_prefilled(
-                EngineRequest(req.rid, req.input_ids, req.sampling, req.return_logprob),
-                aux["first_token"], aux.get("first_logprob"))
+                engine_request(req), aux["first_token"], aux.get("first_logprob"), aux.get("first_top_logprobs"),
+                aux.get("input_logprobs") if echo else None, aux.get("input_top_logprobs") if echo else None)
             if step.finished:
                 self.rooms.pop(req.rid, None)
             step.cached_tokens = int(aux.get("cached_tokens") or 0)  # reused on the prefill side
             outs.append(to_token_output(step, done.meta, done.stages))
+        for room in self.receiver.released():
+            rid = self.quarantined.pop(room, None)
+            if rid is not None:
+                self.engine.release(rid)
         return outs
 
     def inflight_transfers(self) -> int:
         return self.receiver.inflight()
 
     def stats_extra(self) -> dict:
+        machine = self.receiver.machine
         return {"preallocated_requests": self.receiver.preallocated(),
-                "handoff_states": self.receiver.states()}
+                "handoff_states": self.receiver.states(),
+                "queued_handoffs": machine.queued(),
+                "quarantined_handoffs": machine.quarantined(),
+                "admission": {"queued_handoffs": machine.queued(), "refused_handoffs": dict(machine.refused),
+                              "max_queued_handoffs": machine.queue.max_queued,
+                              "handoff_queue_timeout": machine.queue.timeout,
+                              "num_reserved_decode_tokens": self.pool_math.reserve.tokens}}
 
     def close(self) -> None:
         self.heartbeat.close()

@@ -12,8 +12,8 @@ from pdserve.disagg import wire
 from pdserve.disagg.bootstrap_table import RankInfo
 from pdserve.disagg.decode_machine import (DECODE_TRANSITIONS, Abort, Accept, CancelResolve, DecodeHandoffs,
                                            DecodeState, GiveUp, Invalidate, KvReqSent, Log, Malformed,
-                                           PagesReserved, PeerAlive, PeerGone, RankResolved, Received, Report,
-                                           Reservation, Reserve, Resolve, SendAbort, SendKvReq, Tick)
+                                           PagesReserved, PeerAlive, PeerGone, RankResolved, Received, Release,
+                                           Report, Reservation, Reserve, Resolve, SendAbort, SendKvReq, Tick)
 from pdserve.disagg.handoff import TRANSITIONS, HandoffDone, HandoffState, IllegalTransition, Side
 from pdserve.disagg.rank_resolver import Resolved
 
@@ -34,7 +34,7 @@ DONE = wire.KvDone(room=ROOM, prefill_rank=0, first_token=42, first_logprob=-0.2
 
 @pytest.fixture
 def m() -> DecodeHandoffs:
-    return DecodeHandoffs(1, LOCAL, waiting_timeout=30.0, abort_grace=5.0)
+    return DecodeHandoffs(1, LOCAL, waiting_timeout=30.0, abort_grace=5.0, quarantine=60.0)
 
 
 def info(rank: int = 0, backend: str = "fake", ep: dict = P_EP) -> RankInfo:
@@ -61,9 +61,9 @@ def send_abort(reason: str, room: int = ROOM, peer: dict = P_EP) -> SendAbort:
 
 
 def fin(room: int = ROOM, ok: bool = False, reason: str = "", aux: dict | None = None,
-        stages: dict | None = None, addr: str = ADDR, **meta) -> Report:
+        stages: dict | None = None, addr: str = ADDR, held: bool = False, **meta) -> Report:
     return Report(HandoffDone(room, f"d-{room}", ok, reason, aux,
-                              {"bootstrap_room": room, "decode_dp_rank": 1, **meta}, stages or {}), addr)
+                              {"bootstrap_room": room, "decode_dp_rank": 1, **meta}, stages or {}), addr, held)
 
 
 def resolved_meta(rank: int = 0, path: str = "single") -> dict:
@@ -120,8 +120,11 @@ def test_the_table_refines_the_decode_handoff_table():
             assert b.phase is a.phase or b.phase in decode[a.phase], (a, b)
     assert {s.phase for s in D} == {s for s, t in decode.items() if t or s.terminal}  # no Transferring
     assert [s for s in D if not DECODE_TRANSITIONS[s]] == [D.DONE, D.FAILED]
-    assert DECODE_TRANSITIONS[D.ABORTING] == {D.FAILED} and D.ABORTING.phase is H.FAILED
+    assert DECODE_TRANSITIONS[D.ABORTING] == {D.QUARANTINED, D.FAILED} and D.ABORTING.phase is H.FAILED
+    assert DECODE_TRANSITIONS[D.QUARANTINED] == {D.FAILED} and D.QUARANTINED.phase is H.FAILED
     assert [s for s in D if s.live] == [D.RESOLVING, D.RESERVING, D.SENDING, D.WAITING]
+    assert [s for s in D if s.holding] == [D.ABORTING, D.QUARANTINED]
+    assert not any(s.terminal for s in D if s.holding)  # never reported as freed while holding
 
 
 def test_an_illegal_move_raises(m):
@@ -161,8 +164,10 @@ def test_the_handoff_view_follows_the_room(m):
     m.step(Abort(ROOM, "gone", now=4.0))
     h = m.rooms[ROOM].handoff
     assert (h.state, h.reason, h.done) == (H.FAILED, "gone", True)  # aborting is failed for the handoff
-    m.step(Tick(now=10.0))  # grace passed
-    assert m.rooms == {}
+    m.step(Tick(now=10.0))  # grace passed: reported, pages held
+    assert m.rooms[ROOM].state is D.QUARANTINED and m.rooms[ROOM].handoff.state is H.FAILED
+    m.step(Received(wire.KvFail(room=ROOM, prefill_rank=0, reason="aborted"), now=11.0))
+    assert m.step(Tick(now=11.0)) == [Release(ROOM, RID, ADDR)] and m.rooms == {}
 
 
 def test_kv_done_before_the_sent_event(m):
@@ -353,8 +358,18 @@ def test_a_send_failure_invalidates_the_address_and_fails(m):
 def test_a_send_result_after_the_room_failed_is_only_a_stage(m):
     to_sending(m)
     m.step(Abort(ROOM, "client went away", now=2.5))
-    assert m.step(KvReqSent(ROOM, 310.0, error="late", now=3.0)) == []
+    assert m.step(KvReqSent(ROOM, 310.0, now=3.0)) == []  # it left: the prefill may write
     assert m.rooms[ROOM].state is D.ABORTING and m.rooms[ROOM].stages["metadata_sent"] == 310.0
+
+
+def test_a_send_error_after_the_room_failed_frees_it_at_once(m):
+    """The kv_req never left: no write can land, so the pages need not wait for an answer."""
+    to_sending(m)
+    m.step(Abort(ROOM, "client went away", now=2.5))
+    assert m.step(KvReqSent(ROOM, 310.0, error="late", now=3.0)) == []
+    assert m.rooms[ROOM].state is D.FAILED and m.rooms[ROOM].stages["metadata_sent"] == 310.0
+    [f] = m.step(Tick(now=3.0))
+    assert not f.held and f.done.reason == "client went away"
 
 
 # ---- what the prefill says --------------------------------------------------------------------
@@ -449,14 +464,18 @@ def test_abort_with_pages_holds_them_until_the_prefill_answers(m, state, answer)
         assert f.done.meta["waiting_s"] == 1.0  # until it failed, not until the answer
 
 
-def test_an_unanswered_abort_keeps_the_pages_for_the_grace(m):
+def test_an_unanswered_abort_tells_the_client_after_the_grace_and_keeps_the_pages(m):
     to_aborting(m, now=4.0)
     assert m.step(Tick(now=9.0)) == []
     assert m.step(Tick(now=9.1)) == [
-        Log(logging.INFO, f"decode dp_rank 1: prefill {ADDR} never answered kv_abort of room {ROOM} in 5s", ROOM),
+        Log(logging.INFO, f"decode dp_rank 1: prefill {ADDR} never answered kv_abort of room {ROOM} in 5s; "
+                          "its pages stay quarantined", ROOM),
         fin(reason="client went away", failure_cause="aborted", stages=WAITING_STAGES, **resolved_meta(),
-            **paged_meta(), bootstrap_s=3.0, waiting_s=1.0)]
-    assert m.rooms == {}
+            **paged_meta(), bootstrap_s=3.0, waiting_s=1.0, held=True)]
+    assert m.rooms[ROOM].state is D.QUARANTINED  # a slow write may still land
+    assert m.step(Tick(now=60.0)) == []
+    assert m.step(Received(DONE, now=61.0)) == []  # the write ended: no client to give it to
+    assert m.step(Tick(now=61.0)) == [Release(ROOM, RID, ADDR)] and m.rooms == {}
 
 
 def test_abort_after_done_or_failed_is_a_no_op(m):
@@ -477,9 +496,9 @@ def test_gone_fails_every_live_room_of_that_address(m):
         CancelResolve(ADDR, 1), CancelResolve(ADDR, 3)]
     assert m.rooms[1].reason == "room 1: prefill server is gone"
     assert m.rooms[3].reason == "room 3 (prefill dp_rank 0): prefill server is gone"
-    assert m.rooms[3].state is D.FAILED  # no abort to wait for: a gone prefill writes nothing
+    assert m.rooms[3].state is D.QUARANTINED  # an unheard prefill may be cut off, not dead
     assert m.rooms[2].state is D.RESOLVING
-    assert [f.done.room for f in m.step(Tick(now=5.0))] == [1, 3]
+    assert [(f.done.room, f.held) for f in m.step(Tick(now=5.0))] == [(1, False), (3, True)]
 
 
 def test_gone_ranks_fail_only_rooms_resolved_to_them(m):
@@ -526,3 +545,134 @@ def test_a_restart_releases_an_aborting_room_of_the_old_instance(m):
     assert m.step(PeerAlive(ADDR, "inst-2", now=5.5)) == []  # that instance writes nothing more
     assert m.rooms[ROOM].state is D.FAILED and m.rooms[ROOM].reason == "client went away"
     assert m.step(Tick(now=5.5))[0].done.meta["failure_cause"] == "aborted"
+
+
+# ---- quarantine: an unheard prefill may still write ------------------------------------------
+GONE = "prefill bootstrap 10.0.0.1:8998 missed 2 heartbeats (0.5s apart): prefill server is gone"
+GONE_REASON = f"room {ROOM} (prefill dp_rank 0): {GONE}"
+
+
+def to_quarantined(m: DecodeHandoffs, state: DecodeState = D.WAITING, now: float = 5.0) -> None:
+    """`state` at 0..3, then its prefill unheard at `now`: the client is told, the pages stay."""
+    if state is D.ABORTING:
+        to_aborting(m)
+        assert m.step(PeerGone(ADDR, GONE, None, now=now)) == []
+    else:
+        DRIVE[state](m)
+        assert m.step(PeerGone(ADDR, GONE, None, now=now)) == [CancelResolve(ADDR, ROOM)]
+    r = m.rooms[ROOM]
+    assert r.state is D.QUARANTINED and r.entered[D.QUARANTINED] == now
+    [f] = m.step(Tick(now=now))  # the client's answer at once
+    assert f.held and not f.done.ok and f.addr == ADDR
+    assert f.done.reason == ("client went away" if state is D.ABORTING else GONE_REASON)
+    assert f.done.meta["failure_cause"] == ("aborted" if state is D.ABORTING else "peer_gone")
+    assert m.rooms[ROOM] is r and m.quarantined() == 1  # its pages are still held
+    assert m.step(Tick(now=now + 1.0)) == []  # reported once
+
+
+@pytest.mark.parametrize("state", [D.SENDING, D.WAITING, D.ABORTING])
+def test_an_unheard_prefill_fails_the_client_at_once_and_quarantines_the_pages(m, state):
+    to_quarantined(m, state)
+    assert m.step(Abort(ROOM, "client left", now=6.5)) == []  # not live: nothing more to fail
+    assert m.step(Malformed(ROOM, wire.KV_DONE, "bad", now=6.6)) == [
+        Log(logging.WARNING, "decode dp_rank 1: bad; ignored", ROOM)]
+    assert m.step(Tick(now=64.9)) == [] and m.rooms[ROOM].state is D.QUARANTINED
+
+
+def test_the_quarantined_reports_name_the_room_like_any_failure(m):
+    to_waiting(m)
+    m.step(PeerGone(ADDR, GONE, None, now=5.0))
+    assert m.step(Tick(now=5.0)) == [fin(reason=GONE_REASON, failure_cause="peer_gone", stages=WAITING_STAGES,
+                                     **resolved_meta(), **paged_meta(), bootstrap_s=3.0, waiting_s=2.0,
+                                     held=True)]
+
+
+@pytest.mark.parametrize("state", [D.RESOLVING, D.RESERVING])
+def test_an_unheard_prefill_frees_rooms_that_sent_no_kv_req_at_once(m, state):
+    DRIVE[state](m)
+    assert m.step(PeerGone(ADDR, GONE, None, now=5.0)) == [CancelResolve(ADDR, ROOM)]
+    assert m.rooms[ROOM].state is D.FAILED
+    [f] = m.step(Tick(now=5.0))
+    assert not f.held and m.rooms == {}
+
+
+EXITS = {  # how a quarantined room learns that nothing more can land in its pages
+    "kv_done": Received(DONE, now=7.0),  # the healed prefill finished the write
+    "kv_fail": Received(wire.KvFail(room=ROOM, prefill_rank=0, reason="aborted", cause="aborted"), now=7.0),
+    "another instance": PeerAlive(ADDR, "inst-2", now=7.0),  # the old process is gone
+    "its rank died": PeerGone(ADDR, "prefill dp_rank 0 is gone: died", frozenset({0}), now=7.0),
+}
+
+
+@pytest.mark.parametrize("state", [D.SENDING, D.WAITING, D.ABORTING])
+@pytest.mark.parametrize("exit_", list(EXITS))
+def test_every_exit_from_quarantine_releases_the_pages_once(m, state, exit_):
+    to_quarantined(m, state)
+    assert m.step(EXITS[exit_]) == []
+    r = m.rooms[ROOM]
+    assert r.state is D.FAILED and r.aux is None  # a late kv_done is no success: its client was told
+    assert m.step(Tick(now=7.5)) == [Release(ROOM, RID, ADDR)]
+    assert m.rooms == {} and m.quarantined() == 0
+    assert m.step(Tick(now=8.0)) == [] and m.step(EXITS[exit_]) == []
+
+
+def test_a_quarantined_send_that_failed_frees_at_once(m):
+    """Quarantined while its kv_req send was out: that send failing proves it never left."""
+    to_quarantined(m, D.SENDING)
+    assert m.step(KvReqSent(ROOM, 300.0, now=6.0, error="connect timed out")) == []
+    assert m.step(Tick(now=6.0)) == [Release(ROOM, RID, ADDR)]
+
+
+def test_a_quarantined_send_that_succeeded_stays(m):
+    to_quarantined(m, D.SENDING)
+    assert m.step(KvReqSent(ROOM, 300.0, now=6.0)) == []
+    assert m.rooms[ROOM].state is D.QUARANTINED and m.step(Tick(now=6.0)) == []
+
+
+def test_other_ranks_and_addresses_leave_a_quarantined_room_alone(m):
+    to_quarantined(m)
+    assert m.step(PeerGone(ADDR, "rank 1 died", frozenset({1}), now=6.0)) == []
+    assert m.step(PeerGone(ADDR_B, "gone", None, now=6.0)) == []
+    assert m.step(PeerAlive(ADDR_B, "inst-9", now=6.0)) == []
+    assert m.step(Received(wire.KvFail(room=ROOM + 1, reason="x"), now=6.0)) == []
+    assert m.rooms[ROOM].state is D.QUARANTINED and m.step(Tick(now=6.0)) == []
+
+
+def test_the_same_instance_back_is_asked_with_a_kv_abort_and_answers(m):
+    to_quarantined(m)
+    assert m.step(PeerAlive(ADDR, "inst-1", now=6.0)) == [send_abort(GONE_REASON)]  # the link healed
+    assert m.step(PeerAlive(ADDR, "inst-1", now=6.5)) == []  # asked once while it is heard
+    assert m.step(Tick(now=6.5)) == [] and m.rooms[ROOM].state is D.QUARANTINED  # still waiting
+    assert m.step(PeerGone(ADDR, GONE, None, now=7.0)) == []  # unheard again: that abort may be lost
+    assert m.step(PeerAlive(ADDR, "inst-1", now=8.0)) == [send_abort(GONE_REASON)]
+    assert m.step(Received(wire.KvFail(room=ROOM, prefill_rank=0, reason="aborted"), now=8.5)) == []
+    assert m.step(Tick(now=8.5)) == [Release(ROOM, RID, ADDR)]
+
+
+def test_a_quarantined_abort_goes_to_the_holder_rank(m):
+    to_waiting(m)
+    m.step(Received(wire.KvMoved(room=ROOM, prefill_rank=1, endpoint=HOLDER_EP), now=3.5))
+    m.step(PeerGone(ADDR, GONE, None, now=5.0))
+    m.step(Tick(now=5.0))
+    reason = f"room {ROOM} (prefill dp_rank 1): {GONE}"
+    assert m.step(PeerAlive(ADDR, "inst-1", now=6.0)) == [send_abort(reason, peer=HOLDER_EP)]
+
+
+def test_the_quarantine_deadline_releases_the_pages_with_a_warning(m):
+    to_quarantined(m, now=5.0)
+    assert m.step(Tick(now=65.0)) == []
+    assert m.step(Tick(now=65.1)) == [
+        Log(logging.WARNING, f"decode dp_rank 1: room {ROOM} (prefill {ADDR} dp_rank 0, peer_gone: {GONE_REASON}): "
+                             "no word from the prefill in 60s of quarantine; its pages are released "
+                             "(PDSERVE_KV_QUARANTINE_TIMEOUT)", ROOM),
+        Release(ROOM, RID, ADDR)]
+    assert m.rooms == {}
+
+
+def test_an_aborting_room_unheard_tells_its_client_without_waiting_for_the_grace(m):
+    to_aborting(m, now=4.0)
+    m.step(PeerGone(ADDR, GONE, None, now=4.5))
+    [f] = m.step(Tick(now=4.5))  # not 9.0: no answer can come while it is unheard
+    assert f.held and f.done.reason == "client went away"
+    assert m.step(Tick(now=64.5)) == []  # the quarantine counts from 4.5
+    assert m.step(Tick(now=64.6))[-1] == Release(ROOM, RID, ADDR)

@@ -188,8 +188,9 @@ def test_unanswered_abort_keeps_pages_until_grace(link):
     assert room.state is D.ABORTING  # kv_abort sent, pages held
     t = room.entered[D.ABORTING]
     assert link.receiver.poll(now=t + 4.9) == []
-    [ddone] = link.receiver.poll(now=t + 5.1)
+    [ddone] = link.receiver.poll(now=t + 5.1)  # the client is told; the pages stay quarantined
     assert not ddone.ok and ddone.reason == "client went away"
+    assert link.receiver.holds(ROOM) and link.receiver.inflight() == 1 and link.receiver.released() == []
     assert pump(link.prefill_be, lambda s, m: None)[0]["t"] == wire.KV_ABORT
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from pdserve.core.errors import Unavailable
 from pdserve.core.kv_layout import KVLayout
+from pdserve.disagg import wire
 from pdserve.disagg.bootstrap_client import BootstrapClient, Health
 from pdserve.disagg.prefill_peers import PrefillPeers
 from pdserve.disagg.bootstrap_server import ThreadedBootstrap
@@ -20,7 +21,8 @@ from pdserve.disagg.handoff import HandoffState
 from pdserve.disagg.heartbeat import Heartbeat
 from pdserve.disagg.rank_resolver import Resolved
 from pdserve.transfer.tcp import TcpBackend
-from handoff_harness import ADDR, Link, make_link
+from handoff_harness import (ADDR, AUX, PROMPT, ROOM, SRC, Link, assert_idle, assert_pages_landed, make_link,
+                             poll_until)
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]
 S = HandoffState
@@ -127,7 +129,7 @@ def test_a_restart_while_idle_spares_rooms_of_the_new_instance(link):
     while the decode was idle; a new room resolving (and then resolved) against B must live."""
     resolve(link, 1, rank=0, instance="A")
     link.receiver.on_alive(ADDR, "A")
-    link.receiver.on_gone(ADDR, "finished with it")  # ends room 1 without waiting on the prefill
+    link.receiver.on_gone(ADDR, "its worker died", ranks=frozenset({0}))  # ends room 1, pages and all
     failed(link)
     assert link.receiver.rooms == {}
     resolve(link, 2, rank=None)  # resolving against B
@@ -137,6 +139,56 @@ def test_a_restart_while_idle_spares_rooms_of_the_new_instance(link):
     link.receiver.on_resolved(Resolved(2, ADDR, 0, "query", res.info, "B"))
     link.receiver.on_alive(ADDR, "B")
     assert link.receiver.poll() == [] and not link.receiver.rooms[2].handoff.done
+
+
+UNHEARD = f"prefill bootstrap {ADDR} missed 2 heartbeats (0.5s apart): prefill server is gone"
+
+
+def test_an_unheard_prefill_fails_the_room_at_once_and_its_late_kv_done_frees_the_pages(link):
+    """A partitioned (not dead) prefill that has the kv_req writes the pages once the link heals:
+    the receiver answers the room at once but holds its pages, and keeps watching that prefill,
+    until the write's kv_done says nothing more can land."""
+    link.sender.accept(ROOM, "p-1", PROMPT)
+    link.deliver_req()
+    link.receiver.on_gone(ADDR, UNHEARD)
+    [done] = poll_until(link.receiver.poll)
+    assert not done.ok and done.reason == f"room {ROOM} (prefill dp_rank 0): {UNHEARD}"
+    assert done.meta["failure_cause"] == "peer_gone"
+    assert link.receiver.holds(ROOM) and link.receiver.released() == [] and link.receiver.inflight() == 1
+    assert link.receiver.states() == {"quarantined": 1} and link.receiver.watched() == {ADDR}
+    link.sender.prefill_done(ROOM, SRC, dict(AUX))  # healed: the prefill writes the room's pages
+    [pdone] = link.prefill_done()
+    assert pdone.ok  # for the prefill the handoff worked
+    link.to_decode()  # its kv_done
+    assert link.receiver.poll() == [] and link.receiver.released() == [ROOM] and not link.receiver.holds(ROOM)
+    assert link.receiver.released() == []  # named once
+    assert_pages_landed(link, SRC, link.pool.held[f"d-{ROOM}"])  # into pages nobody else had
+    assert_idle(link)
+
+
+def test_the_same_prefill_heard_again_is_asked_and_its_answer_frees_the_pages(link):
+    link.deliver_req()  # the prefill has the kv_req but not the request: it would wait
+    link.receiver.on_gone(ADDR, UNHEARD)
+    poll_until(link.receiver.poll)
+    link.receiver.on_alive(ADDR, "inst-1")  # the link healed, the same instance answers
+    assert link.receiver.poll() == []
+    [abort] = link.to_prefill()
+    assert abort["t"] == wire.KV_ABORT and abort["room"] == ROOM and "missed 2 heartbeats" in abort["reason"]
+    [fail] = link.to_decode()
+    assert fail["t"] == wire.KV_FAIL
+    assert link.receiver.poll() == [] and link.receiver.released() == [ROOM]
+    link.sender.poll()  # the prefill's own record of the room
+    assert_idle(link)
+
+
+def test_a_quarantine_without_word_ends_at_its_deadline(link):
+    link.deliver_req()
+    link.receiver.on_gone(ADDR, UNHEARD)
+    poll_until(link.receiver.poll)
+    t = link.receiver.rooms[ROOM].entered[DecodeState.QUARANTINED]
+    assert link.receiver.poll(now=t + 359.0) == [] and link.receiver.released() == []
+    assert link.receiver.poll(now=t + 360.5) == [] and link.receiver.released() == [ROOM]
+    assert link.receiver.inflight() == 0 and link.receiver.watched() == set()
 
 
 # ---- heartbeat -----------------------------------------------------------------------------------

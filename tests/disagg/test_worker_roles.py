@@ -433,11 +433,11 @@ def test_room_failed_by_the_front(pd, when):
 
 
 def test_prefill_refusing_a_bad_pd_request_fails_its_decode_at_once(pd):
-    [out] = pd.prefill.generate(pd.req("p-1", max_new=0))
-    assert out.finished and out.error.status == 400 and "max_new_tokens" in out.error.message
+    [out] = pd.prefill.generate(pd.req("p-1", prompt=[]))
+    assert out.finished and out.error.status == 400 and "empty prompt" in out.error.message
     pd.decode.generate(pd.req("d-1"))
     pd.finish(timeout=2.0)
-    assert_failed(pd.decode.final("d-1"), f"room {ROOM}", "max_new_tokens")
+    assert_failed(pd.decode.final("d-1"), f"room {ROOM}", "empty prompt")
 
 
 # ---- transfer failure ---------------------------------------------------------------------------
@@ -462,9 +462,10 @@ def test_decode_pool_full_waits_then_succeeds_when_pages_free(make_pd):
     assert pd.decode.engine.reserve("blocker", 8 * PAGE_SIZE) is not None  # every page taken
     pd.prefill.generate(pd.req("p-1"))
     pd.decode.generate(pd.req("d-1"))
-    tries = lambda: [c for c in pd.decode.engine.reserve_calls if c[0] == "d-1"]  # noqa: E731
-    pd.drive(lambda: len(tries()) >= 3, "three reservation attempts")
-    assert all(pages is None for _, _, pages in tries())
+    turns = iter(range(10))  # it stays in the decode's admission queue, turn after turn
+    pd.drive(lambda: pd.decode.role.stats_extra()["queued_handoffs"] == 1 and next(turns) == 9,
+             "ten turns with the handoff queued")
+    assert not [c for c in pd.decode.engine.reserve_calls if c[0] == "d-1" and c[2] is not None]
     assert pd.prefill.role.stats_extra()["early_kv_reqs"] == 0 and pd.handoff_states(pd.prefill) == {
         "bootstrapping": 1}  # no kv_req without pages
     assert pd.decode.final("d-1") is None
@@ -562,3 +563,80 @@ def test_a_decode_below_the_overload_bound_uses_the_prefill(pd):
     pd.decode.generate(pd.req("d-1"))
     pd.finish()
     assert_success(pd)
+
+
+@pytest.mark.parametrize("overloaded", [False, True])
+def test_the_drop_notice_waits_for_the_first_token_unless_the_prefill_is_overloaded(pd, overloaded):
+    """A decode that prefills a short uncached prompt itself tells the prefill to drop the room
+    only once its first token is out (the notice must not share the decode's core with the
+    prompt's compute); when the prefill is overloaded it tells it at once, sparing its work."""
+    decode = pd.decode.role
+    if overloaded:
+        decode.overload = 100
+        decode.peers.load_tokens = lambda addr: 5000
+    else:
+        decode.local_max = 64
+    sent: list[int] = []  # tokens the decode had sampled when each notice was handed to the pool
+    engine, real = pd.decode.engine, decode.receiver.pool
+
+    class Pool:  # the notice goes where the prefill front would pass it (RoomDroppedNotice)
+        def submit(self, fn, *args):
+            if fn != decode._drop_room:
+                return real.submit(fn, *args)
+            sent.append(next((len(s.output_ids) for s in engine.running if s.req.rid == "d-1"), 0))
+            _, room, reason = args
+            pd.prefill.role.on_room_dropped(room, reason)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    decode.receiver.pool = Pool()
+    pd.prefill.generate(pd.req("p-1"))
+    pd.decode.generate(pd.req("d-1"))
+    assert sent == ([0] if overloaded else [])
+    pd.finish()
+    assert sent == ([0] if overloaded else [1]), sent
+    p = pd.prefill.final("p-1")
+    assert p.error is None and p.meta["disaggregation"] == "dropped"
+    assert pd.decode.tokens("d-1") == fake_continuation(PROMPT, 4, VOCAB)
+
+
+# ---- a prefill the decode cannot hear (partitioned, not dead) -----------------------------------
+def test_an_unheard_prefill_mid_write_fails_the_client_at_once_and_frees_the_pages_after_its_kv_done(pd):
+    """Heartbeat loss while the KV write runs: the decode's client gets its error at once, but the
+    room's pages stay reserved (no other request gets them, the decode is not idle) until the
+    prefill's late kv_done says the write is over."""
+    backend, decode = pd.prefill.role.backend, pd.decode.role
+    backend.gate.clear()
+    pd.prefill.generate(pd.req("p-1"))
+    pd.decode.generate(pd.req("d-1"))
+    pd.drive(backend.writing.is_set, "the KV write started")
+    addr = f"127.0.0.1:{pd.boot.port}"
+    decode.receiver.on_gone(addr, f"prefill bootstrap {addr} missed 2 heartbeats (1.0s apart): "
+                                  "prefill server is gone")  # as the heartbeat reports it
+    pd.drive(lambda: pd.decode.final("d-1") is not None, "the decode's answer")
+    assert_failed(pd.decode.final("d-1"), f"room {ROOM}", "missed 2 heartbeats")
+    assert "d-1" in pd.decode.engine.held  # the write may still land in them
+    extra = decode.stats_extra()
+    assert extra["quarantined_handoffs"] == 1 and extra["handoff_states"] == {"quarantined": 1}
+    assert decode.inflight_transfers() == 1
+    [out] = pd.decode.generate(pd.req("d-3"))  # the quarantined room's number
+    assert out.error.status == 400 and "quarantined" in out.error.message
+    pd.prefill.generate(pd.req("p-2", room=ROOM + 1))
+    pd.decode.generate(pd.req("d-2", room=ROOM + 1))
+    pages = lambda rid: [p for r, _, p in pd.decode.engine.reserve_calls if r == rid and p]  # noqa: E731
+    pd.drive(lambda: pages("d-2"), "d-2's pages")
+    assert not set(pages("d-1")[0]) & set(pages("d-2")[0])
+    backend.gate.set()  # healed: the write lands, then its kv_done
+    pd.finish()
+    assert "d-1" not in pd.decode.engine.held and decode.stats_extra()["quarantined_handoffs"] == 0
+    assert pd.decode.final("d-2").error is None
+
+
+def test_the_quarantine_outlasts_the_prefills_bound_on_a_write_unless_set():
+    from types import SimpleNamespace
+
+    from pdserve.worker.decode import TRANSFER_IO_TIMEOUT_S, quarantine_timeout
+    assert quarantine_timeout(Envs(bootstrap_timeout=8.0), SimpleNamespace(io_timeout=30.0)) == 38.0
+    assert quarantine_timeout(Envs(bootstrap_timeout=8.0), object()) == 8.0 + TRANSFER_IO_TIMEOUT_S
+    assert quarantine_timeout(Envs(bootstrap_timeout=8.0, kv_quarantine_timeout=3.0), object()) == 3.0

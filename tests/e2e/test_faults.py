@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from cluster import pd_body  # noqa: E402
+from cluster import FAST_ENV, pd_body  # noqa: E402
 from fault_tools import (KnobServer, Legs, assert_failed, flush_cache, decoding, error_of, kv_req_sent,  # noqa: E402
                          prefilling, room_on, shared_tiny_model, status, transferring, wait_for)
 
@@ -27,6 +27,7 @@ N = 24  # output tokens
 GREEDY = {"max_new_tokens": N, "temperature": 0, "ignore_eos": True}
 LEG_TIMEOUT = 60.0  # a leg with no answer by then hung (FAST_ENV deadlines are <= 20 s)
 P_LAST = D_LAST = 3  # the rank of the dp-4 servers that no test kills
+QUARANTINE_S = float(FAST_ENV["PDSERVE_KV_QUARANTINE_TIMEOUT"])  # a killed prefill's rooms keep their pages
 
 
 # ---- fixtures -------------------------------------------------------------------------------
@@ -193,7 +194,10 @@ def test_kill_prefill_server(cluster, legs, knobs, reference, phase, spare):
     else:
         assert isinstance(rp, httpx.HTTPError), rp  # its client saw the connection drop
         assert_failed(rd, str(room), "missed", "heartbeats", "gone")
-    D.wait_idle()
+        # unheard is not proof of dead: the room's pages wait out the quarantine, then are freed
+        held = D.worker(D_LAST)["extra"]
+        assert held["quarantined_handoffs"] == 1 and held["handoff_states"] == {"quarantined": 1}, held
+    D.wait_idle(timeout=QUARANTINE_S + 15)
     assert_serves(cluster.P, D, P_LAST, D_LAST, reference)
 
 
