@@ -18,7 +18,8 @@ import time
 from aiohttp import web
 
 PD_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "routed_dp_rank", "disagg_prefill_dp_rank")
-KNOBS = ("delay", "hold", "fail_status", "close_mid_stream", "stream_gate", "healthy", "load", "stream_chunks")
+KNOBS = ("delay", "hold", "fail_status", "fail_times", "close_mid_stream", "stream_gate", "healthy", "load",
+         "stream_chunks")
 
 
 class Stub:
@@ -28,6 +29,8 @@ class Stub:
         self.delay = args.delay
         self.hold = args.hold
         self.fail_status = args.fail_status
+        self.fail_times = 0  # with fail_status: fail only this many generations (0: every one)
+        self.failed = 0
         self.close_mid_stream = args.close_mid_stream
         self.stream_gate = args.stream_gate
         self.stream_chunks = args.stream_chunks
@@ -79,7 +82,8 @@ class Stub:
                 await asyncio.sleep(self.delay)
             if self.hold:
                 await asyncio.wait_for(self.gate.wait(), 60)
-            if self.fail_status:
+            if self.fail_status and (not self.fail_times or self.failed < self.fail_times):
+                self.failed += 1
                 return web.json_response({"error": {"message": f"stub {self.role} failure for room {room}",
                                                     "type": "stub_error"}}, status=self.fail_status)
             if body.get("stream"):
@@ -142,6 +146,7 @@ class Stub:
         self.cancelled.clear()
         self.completed.clear()
         self.gate.clear()
+        self.failed = 0
         return web.json_response({"status": "ok"})
 
     async def release(self, request: web.Request) -> web.Response:

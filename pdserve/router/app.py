@@ -23,6 +23,7 @@ from aiohttp import web
 
 from pdserve.core.config import Role
 from pdserve.core.errors import PDServeError, Unauthorized
+from pdserve.core.netaddr import host_port
 
 from .cli_args import config_from_args
 from .config import RouterConfig
@@ -82,6 +83,8 @@ class RouterApp:
         self.legs.use_session(self.session)
         for up in self.pool.all():
             self.metrics.upstream_healthy.labels(up.role.value, up.url).set(int(up.health.selectable))
+        if self.cfg.worker_startup_timeout_secs:  # config: only with health checks
+            await self.health.wait_all_healthy(self.cfg.worker_startup_timeout_secs)
         if self.cfg.health_check_enabled:
             await self.health.check_all()  # route at once if the servers are already up
             self._health_task = asyncio.create_task(self.health.run())
@@ -216,7 +219,7 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event | None = None) -> None:
         # generation less often (in-flight request state is traversed again at each collection).
         gc.freeze()
         gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
-        print(f"pdserve router listening on http://{host}:{port}", flush=True)
+        print(f"pdserve router listening on http://{host_port(host, port)}", flush=True)
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

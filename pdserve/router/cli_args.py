@@ -1,7 +1,8 @@
 """`pdserve router` flags, spelled like sglang-router's PD mode, and their translation to RouterConfig.
 
-Flags sglang-router users pass that change nothing here (`--pd-disaggregation`, `--mini-lb`,
-`--worker-startup-timeout-secs`...) are accepted so their command lines run unchanged.
+`--pd-disaggregation` and `--mini-lb` describe what this router always is (PD; batched `text`
+lists sent as lists of rooms, as sglang's mini load balancer does), so they are accepted and
+change nothing; `--worker-startup-timeout-secs` makes start-up wait for every server.
 """
 
 from __future__ import annotations
@@ -79,11 +80,16 @@ def build_router_parser(parser: argparse.ArgumentParser | None = None) -> argpar
     p.add_argument("--max-retries", "--retry-max-retries", dest="max_retries", type=int, default=3,
                    help="tries per request (connection failures before streaming move to another pair)")
     p.add_argument("--disable-retries", action="store_true", help="one try per request")
+    p.add_argument("--migration-limit", type=int, default=1,
+                   help="times one request may move to another (prefill, decode) pair when its decode "
+                        "fails after the stream began: prompt + tokens so far, the rest of the budget "
+                        "(Dynamo's name; default %(default)s, 0 = never; docs/reliability.md)")
     p.add_argument("--dp-aware", action="store_true",
                    help="pick each server's DP rank here and send routed_dp_rank / disagg_prefill_dp_rank")
     p.add_argument("--api-key", default="", help="require this Bearer token on every route but /health")
     p.add_argument("--pd-disaggregation", action="store_true", help="accepted (always PD)")
-    p.add_argument("--mini-lb", action="store_true", help="accepted (no effect)")
+    p.add_argument("--mini-lb", action="store_true",
+                   help="accepted: this router always does what sglang's mini LB does (PD; batched text lists)")
     p.add_argument("--health-check-interval-secs", type=float, default=10.0)
     p.add_argument("--health-check-timeout-secs", type=float, default=5.0)
     p.add_argument("--health-failure-threshold", type=int, default=3,
@@ -95,7 +101,9 @@ def build_router_parser(parser: argparse.ArgumentParser | None = None) -> argpar
     p.add_argument("--max-payload-size", type=int, default=512 * 1024 * 1024, help="max request body bytes")
     p.add_argument("--prometheus-host", default="", help="also serve /metrics on this host")
     p.add_argument("--prometheus-port", type=int, default=0, help="also serve /metrics on this port")
-    p.add_argument("--worker-startup-timeout-secs", type=float, default=None, help="accepted (no effect)")
+    p.add_argument("--worker-startup-timeout-secs", type=float, default=None,
+                   help="at start-up, wait this long for every server to pass a health check, then exit "
+                        "naming those that did not (default: no wait; servers join when healthy)")
     p.add_argument("--log-level", choices=("debug", "info", "warn", "warning", "error"), default="info")
     return p
 
@@ -105,7 +113,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     def policy(name: str | None) -> str:
         return name or args.policy
 
-    extra = {k: getattr(args, k) for k in ("pd_disaggregation", "mini_lb", "worker_startup_timeout_secs")}
+    extra = {k: getattr(args, k) for k in ("pd_disaggregation", "mini_lb")}
     return RouterConfig(
         prefill=tuple(args.prefill),
         decode=tuple(args.decode),
@@ -115,6 +123,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         decode_policy=policy(args.decode_policy),
         request_timeout_secs=args.request_timeout_secs,
         max_tries=1 if args.disable_retries else args.max_retries,
+        migration_limit=args.migration_limit,
         dp_aware=args.dp_aware,
         api_key=args.api_key,
         health_check_interval_secs=args.health_check_interval_secs,
@@ -132,5 +141,6 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         balance_rel_threshold=args.balance_rel_threshold,
         eviction_interval_secs=args.eviction_interval_secs,
         max_tree_size=args.max_tree_size,
+        worker_startup_timeout_secs=args.worker_startup_timeout_secs,
         extra=extra,
     )

@@ -27,6 +27,7 @@ class RouterConfig:
     decode_policy: str = "round_robin"
     request_timeout_secs: float = 1800.0
     max_tries: int = 3
+    migration_limit: int = 1  # decode failures after the stream began that move it to another pair
     dp_aware: bool = False
     api_key: str = ""
     health_check_interval_secs: float = 10.0
@@ -45,6 +46,7 @@ class RouterConfig:
     balance_rel_threshold: float = 1.5
     eviction_interval_secs: float = 60.0
     max_tree_size: int = 2 ** 26
+    worker_startup_timeout_secs: float | None = None  # wait for every server at start-up
     extra: dict = field(default_factory=dict)  # accepted-for-compatibility flags, reported only
 
     def __post_init__(self) -> None:
@@ -55,6 +57,12 @@ class RouterConfig:
                 raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
         if self.max_tries < 1:
             raise ValueError("--max-retries must be at least 1 (it counts tries)")
+        if self.worker_startup_timeout_secs is not None and self.worker_startup_timeout_secs <= 0:
+            raise ValueError("--worker-startup-timeout-secs must be positive")
+        if self.worker_startup_timeout_secs is not None and not self.health_check_enabled:
+            raise ValueError("--worker-startup-timeout-secs waits on health checks: drop --disable-health-check")
+        if self.migration_limit < 0:
+            raise ValueError("--migration-limit must not be negative (0 = never migrate)")
         if self.health_failure_threshold < 1 or self.health_success_threshold < 1:
             raise ValueError("health thresholds must be at least 1")
         if self.request_timeout_secs <= 0 or self.health_check_interval_secs <= 0:

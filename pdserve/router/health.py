@@ -115,6 +115,21 @@ class HealthLoop:
                     up.health.last_error if not ok else "")
             self._on_change(up, old, new)
 
+    async def wait_all_healthy(self, timeout: float) -> None:
+        """Probe until every server is healthy; RuntimeError naming the rest after `timeout` s."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            await self.check_all()
+            missing = [up for up in self._upstreams if not up.health.selectable]
+            if not missing:
+                return
+            if asyncio.get_running_loop().time() >= deadline:
+                raise RuntimeError(
+                    f"--worker-startup-timeout-secs {timeout:g}: not healthy: " + "; ".join(
+                        f"{up.role.value} {up.url} ({up.health.last_error or up.health.state.value})"
+                        for up in missing))
+            await asyncio.sleep(self.STARTUP_INTERVAL)
+
     async def run(self) -> None:
         while True:
             starting = any(up.health.state is HealthState.UNKNOWN for up in self._upstreams)

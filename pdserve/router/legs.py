@@ -20,6 +20,11 @@ from .pd_body import decode
 from .upstream import Upstream
 
 
+# statuses a leg may answer before any token that another pair may not (sglang-router's retry
+# set less 429, which is back-pressure and handled apart): a lost worker, a failed handoff
+RETRYABLE_STATUSES = frozenset({408, 500, 502, 503, 504})
+
+
 class LegErrorKind(str, enum.Enum):
     CONNECTION = "connection"  # never connected, or the connection broke: retryable before streaming
     STATUS = "status"  # the server answered with status >= 400
@@ -35,7 +40,12 @@ class LegError(Exception):
 
     @property
     def retryable(self) -> bool:
-        return self.kind is LegErrorKind.CONNECTION
+        return self.kind is LegErrorKind.CONNECTION or self.status in RETRYABLE_STATUSES
+
+    @property
+    def server_down(self) -> bool:
+        """The server itself looks gone (counts against its health), not just this request."""
+        return self.kind is LegErrorKind.CONNECTION or self.status == 503
 
 
 def upstream_error_text(raw: bytes) -> tuple[str, str | None]:

@@ -31,6 +31,11 @@ class RouterMetrics:
         self.upstream_errors = Counter("pdserve_router_upstream_errors", "failed legs by role and kind",
                                        ["role", "server", "kind"], registry=r)
         self.retries = Counter("pdserve_router_retries", "tries repeated on another pair", ["reason"], registry=r)
+        self.migrations = Counter(
+            "pdserve_router_migrations",
+            "decode failures and what became of them: started (a continuation sent to another pair), "
+            "succeeded / failed (a migrated request's end), limit_reached (--migration-limit used up), "
+            "unsupported (the request cannot move: see docs/reliability.md)", ["outcome"], registry=r)
         self.cancelled_legs = Counter("pdserve_router_cancelled_legs", "legs cancelled by the router",
                                       ["role", "reason"], registry=r)
         self.upstream_healthy = Gauge("pdserve_router_upstream_healthy", "1 while a server is selectable",

@@ -202,21 +202,22 @@ def mint_rooms(count: int | None) -> int | list[int]:
 
 
 def leg_bodies(body: dict, host: str, port: int | None, rooms: int | list[int],
-               dp_ranks: tuple[int, int] | None = None) -> tuple[bytes, bytes]:
-    """The (prefill, decode) bodies: the client body plus PD fields; identical unless DP-aware."""
+               dp_ranks: tuple[int, int] | None = None, prefill_rid: str | None = None) -> tuple[bytes, bytes]:
+    """The (prefill, decode) bodies: the client body plus PD fields; identical unless DP-aware or
+    `prefill_rid` (a migration's prefill, whose old leg may still hold the rid) is given."""
     base = dict(body)
     base["bootstrap_host"] = host
     base["bootstrap_port"] = port
     base["bootstrap_room"] = rooms
     if dp_ranks is None:
         data = encode(base)
-        return data, data
+        return (data if prefill_rid is None else encode({**base, "rid": prefill_rid})), data
     prefill_rank, decode_rank = dp_ranks
     base.pop("data_parallel_rank", None)  # the deprecated alias would contradict our pick
     # Both legs name the prefill rank: decode contacts it with no query, and on a
     # follow_bootstrap_room prefill it pins the rank instead of being a routed/room conflict.
     base["disagg_prefill_dp_rank"] = prefill_rank
-    prefill = encode({**base, "routed_dp_rank": prefill_rank})
+    prefill = encode({**base, "routed_dp_rank": prefill_rank, **({"rid": prefill_rid} if prefill_rid else {})})
     decode = encode({**base, "routed_dp_rank": decode_rank})
     return prefill, decode
 
@@ -227,14 +228,16 @@ def _merge_one(prefill: Any, decode: Any) -> None:
     p_meta, d_meta = prefill.get("meta_info"), decode.get("meta_info")
     if not (isinstance(p_meta, dict) and isinstance(d_meta, dict)):
         return
-    p_lp = p_meta.get("input_token_logprobs")
-    if isinstance(p_lp, list):
-        d_lp = d_meta.get("input_token_logprobs")
-        d_meta["input_token_logprobs"] = p_lp + (d_lp if isinstance(d_lp, list) else [])
+    for key in ("input_token_logprobs", "input_top_logprobs"):
+        p_lp = p_meta.get(key)
+        if isinstance(p_lp, list):
+            d_lp = d_meta.get(key)
+            d_meta[key] = p_lp + (d_lp if isinstance(d_lp, list) else [])
 
 
 def merge_input_logprobs(prefill_raw: bytes, decode_raw: bytes) -> bytes:
-    """Decode's reply with the prefill's meta_info.input_token_logprobs put in front (per item)."""
+    """Decode's reply with the prefill's meta_info.input_token_logprobs (and input_top_logprobs)
+    put in front (per item)."""
     try:
         prefill, decoded = decode(prefill_raw), decode(decode_raw)
     except msgspec.DecodeError:

@@ -6,29 +6,37 @@ Life of one request (one PDExchange):
 2. wait until decode has answered (non-stream) or sent its headers and first chunk (stream);
    the first failing leg cancels the other and becomes the one error the client gets (a
    decode 5xx first waits briefly for the prefill, whose rejection is then the cause reported);
-3. a connection failure there is retried on another pair with new rooms (up to max tries);
-4. stream: commit decode's status and pass its chunks on as they come; a failure after that
-   is written into the stream as `data: {"error": ...}` then `data: [DONE]`;
-5. prefill's reply is read and dropped (merged first with `return_logprob`), in the background
+3. a connection failure or a retryable status there (legs.RETRYABLE_STATUSES, or 429) is retried
+   on another pair with new rooms (up to max tries);
+4. stream: commit decode's status and relay its events as they come (migration.StreamRelay);
+5. a decode that fails after that (an error event, a broken or cut-off body), or with a 5xx
+   before answering, moves the request to another pair with the tokens streamed so far, up to
+   --migration-limit times (migration.py); any other failure, or one that cannot move, is the
+   client's error: on a stream `data: {"error": ...}` then `data: [DONE]`;
+6. prefill's reply is read and dropped (merged first with `return_logprob`), in the background
    when decode finished first. Client disconnect or the deadline cancels every open leg.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Callable
 
 from aiohttp import web
 
+from pdserve.core.config import Role
 from pdserve.core.errors import Timeout, Unavailable
 
 from .config import RouterConfig
 from .deadline import Deadline
-from .legs import LegClient, LegError, OpenStream, cancel_task, consume
+from .legs import LegClient, LegError, LegErrorKind, OpenStream, cancel_task, consume
 from .metrics import RouterMetrics
+from .migration import Migration, StreamRelay, blocker, continuation, request_body
 from .pd_body import RequestShape, encode, leg_bodies, merge_input_logprobs, mint_rooms, routing_key
 from .upstream import Pair, Upstream, UpstreamPool
 
+log = logging.getLogger("pdserve.router.pd_proxy")
 _DONE = b"data: [DONE]\n\n"
 STREAM_ERROR_WRITE_TIMEOUT_S = 5.0
 PREFILL_VERDICT_GRACE_S = 0.5  # how long a failed decode leg waits for the prefill's own error
@@ -74,6 +82,14 @@ class PDProxy:
             await cancel_task(task)
 
 
+class StreamBroke(Exception):
+    """A leg failed after the client's stream was committed; `err` is the failure to report."""
+
+    def __init__(self, err: LegError):
+        super().__init__(err.message)
+        self.err = err
+
+
 class PDExchange:
     def __init__(self, proxy: PDProxy, request: web.Request, body: dict, shape: RequestShape):
         self.p, self.request, self.body, self.shape = proxy, request, body, shape
@@ -86,33 +102,61 @@ class PDExchange:
         cfg = self.p.cfg
         avoid: set[str] = set()
         last: LegError | None = None
+        tries = 0
         key = routing_key(self.shape.route, self.body) if self.p.pool.needs_key else None
+        stream = self.shape.stream
+        # with --migration-limit 0 no stream ever moves: the decodes are not asked for progress
+        m = self.migration = Migration(blocker(self.shape, self.body) if stream and cfg.migration_limit else
+                                       None, enabled=cfg.migration_limit > 0)
+        body = request_body(self.body, m, stream)
+        moving = False  # a migration waits for its pair
         try:
             async with Deadline(self.p.loop, cfg.request_timeout_secs) as self._timeout:
                 self._deadline = self._timeout.when
-                for attempt in range(1, cfg.max_tries + 1):
+                while True:
+                    tries += 1
                     try:
-                        pair = self.p.pool.pick_pair(frozenset(avoid), key)
+                        pair = self.p.pool.pick_pair(frozenset(avoid), key, frozenset(m.failed_decodes))
+                        if moving:
+                            self.p.metrics.migrations.labels("started").inc()
+                            moving = False
                     except Unavailable as exc:
                         if last is None:
                             raise
                         # the failed server just left selection: its error is the cause, not this
-                        return error_response(last.status, f"{last.message} ({self.where}; no retry: "
-                                              f"{exc.message})", last.type)
+                        why = "could not migrate" if m.count else "no retry"
+                        return await self._fail(last.status, f"{last.message} ({self.where}; {why}: "
+                                                f"{exc.message})", last.type)
                     try:
-                        return await self._try_pair(pair)
-                    except LegError as err:
-                        if not err.retryable:
-                            return error_response(err.status, f"{err.message} ({self.where})", err.type)
-                        self.p.on_connection_failure(err.upstream, err.message)
+                        resp = await self._try_pair(pair, body)
+                    except (LegError, StreamBroke) as exc:
+                        mid_stream = isinstance(exc, StreamBroke)
+                        err = exc.err if isinstance(exc, StreamBroke) else exc
+                        move, why_not = self._migration_verdict(err, mid_stream)
+                        if move:
+                            self._start_migration(err)
+                            moving, tries = True, 0  # the continuation gets its own tries
+                            body, last = continuation(self.body, m, stream), err
+                            continue
+                        busy = err.kind is LegErrorKind.STATUS and err.status == 429  # back-pressure
+                        if mid_stream or not (err.retryable or busy):
+                            return await self._fail(err.status, f"{err.message} ({self.where}){why_not}", err.type)
+                        if err.server_down:  # a full server is healthy: another pair takes the request
+                            self.p.on_connection_failure(err.upstream, err.message)
                         avoid.add(err.upstream.url)
-                        if attempt == cfg.max_tries:
-                            return error_response(err.status, f"{err.message} ({self.where}; gave up after "
-                                                  f"{attempt} tries)", err.type)
-                        self.p.metrics.retries.labels("connection").inc()
+                        if tries >= cfg.max_tries:
+                            return await self._fail(err.status, f"{err.message} ({self.where}; gave up after "
+                                                    f"{tries} tries)", err.type)
+                        self.p.metrics.retries.labels("overloaded" if busy else err.kind.value).inc()
                         last = err
+                        continue
+                    if m.count:
+                        self.p.metrics.migrations.labels("succeeded").inc()
+                    return resp
         except TimeoutError:
             message = f"request timed out after {cfg.request_timeout_secs:g}s ({self.where})"
+            if m.count:
+                self.p.metrics.migrations.labels("failed").inc()
             if self.response is None:
                 raise Timeout(message) from None
             try:
@@ -121,7 +165,42 @@ class PDExchange:
             except TimeoutError:
                 pass  # the client does not read; drop it
             return self.response
-        raise AssertionError("unreachable")
+
+    def _migration_verdict(self, err: LegError, mid_stream: bool) -> tuple[bool, str]:
+        """(move it?, what the error adds when not). Only decode failures move: any break of its
+        stream, or a 5xx before it answered; the prefill's own failures keep today's rules."""
+        if err.upstream.role is not Role.DECODE:
+            return False, ""
+        if not (err.kind is LegErrorKind.CONNECTION and mid_stream) and \
+                not (err.kind is LegErrorKind.STATUS and err.status >= 500):
+            return False, ""
+        m, limit = self.migration, self.p.cfg.migration_limit
+        if m.count >= limit:
+            self.p.metrics.migrations.labels("limit_reached").inc()
+            return False, f"; not migrated: --migration-limit {limit} " + ("reached" if limit else "(disabled)")
+        refusal = m.refusal()
+        if refusal is not None:
+            self.p.metrics.migrations.labels("unsupported").inc()
+            return False, f"; not migrated: {refusal}"
+        return True, ""
+
+    def _start_migration(self, err: LegError) -> None:
+        m = self.migration
+        m.count += 1
+        m.failed_decodes.add(err.upstream.url)
+        if err.kind is LegErrorKind.CONNECTION:
+            self.p.on_connection_failure(err.upstream, err.message)
+        log.warning("migrating a request (%d of at most %d) after %d streamed tokens: %s (%s)", m.count,
+                    self.p.cfg.migration_limit, len(m.ids), err.message, self.where)
+
+    async def _fail(self, status: int, message: str, type: str) -> web.StreamResponse:
+        """The client's one error: a JSON reply, or an error event once the stream is committed."""
+        if self.migration.count:
+            self.p.metrics.migrations.labels("failed").inc()
+        if self.response is None:
+            return error_response(status, message, type)
+        await self._write_stream_error(status, message, type)
+        return self.response
 
     def _client_auth(self) -> str | None:
         """Without a key of its own the router passes the client's Authorization on to both legs."""
@@ -140,12 +219,15 @@ class PDExchange:
         if cancelled:
             self.p.metrics.cancelled_legs.labels(role, reason).inc()
 
-    async def _try_pair(self, pair: Pair) -> web.StreamResponse:
+    async def _try_pair(self, pair: Pair, body: dict) -> web.StreamResponse:
         rooms = mint_rooms(self.shape.room_count)
         dp = (pair.prefill_rank, pair.decode_rank) if pair.prefill_rank is not None else None
         self.where = (f"bootstrap_room={rooms}, prefill {pair.prefill.url}"
                       f"{f' dp_rank {dp[0]}' if dp else ''}, decode {pair.decode.url}{f' dp_rank {dp[1]}' if dp else ''}")
-        p_body, d_body = leg_bodies(self.body, pair.prefill.bootstrap_host, pair.prefill.bootstrap_port, rooms, dp)
+        count, rid = self.migration.count, body.get("rid")
+        # a migration may pick the old prefill, whose leg of the same rid may not have ended yet
+        p_rid = f"{rid}-migration-{count}" if count and isinstance(rid, str) else None
+        p_body, d_body = leg_bodies(body, pair.prefill.bootstrap_host, pair.prefill.bootstrap_port, rooms, dp, p_rid)
         path, legs, auth = self.shape.route.value, self.p.legs, self._client_auth()
         loop = self.p.loop
         p_rank, d_rank = dp if dp else (None, None)
@@ -215,31 +297,46 @@ class PDExchange:
             b.remove_done_callback(wake)
 
     async def _stream(self, stream: OpenStream, prefill: asyncio.Task) -> web.StreamResponse:
-        """Commit decode's status and pass its body on chunk by chunk."""
+        """Commit decode's status (the first decode's: a continuation streams on into the same
+        response) and relay its events; a failure of either leg then raises StreamBroke."""
         def prefill_done(task: asyncio.Task) -> None:
             # A failed prefill wakes the decode read at once with the prefill's error.
             if not task.cancelled() and isinstance(task.exception(), LegError):
                 stream.fail(task.exception())
 
         prefill.add_done_callback(prefill_done)
-        resp = web.StreamResponse(status=stream.status, headers={
-            "Content-Type": stream.content_type, "Cache-Control": "no-cache"})
+        relay = StreamRelay(self.migration, stream.upstream)
         try:
-            await resp.prepare(self.request)
-            self.response = resp
+            if self.response is None:
+                resp = web.StreamResponse(status=stream.status, headers={
+                    "Content-Type": stream.content_type, "Cache-Control": "no-cache"})
+                await resp.prepare(self.request)
+                self.response = resp
             chunk = stream.first_chunk
-            while chunk:
-                await resp.write(chunk)
+            while True:
+                if chunk:
+                    out = relay.feed(chunk)
+                    if out:
+                        await self.response.write(out)
+                else:
+                    relay.end()
+                if relay.failure is not None:
+                    raise relay.failure
+                if not chunk:
+                    break
                 chunk = await stream.next_chunk()
-            await resp.write_eof()  # decode finished: a late prefill error changes nothing now
+            await self.response.write_eof()  # decode finished: a late prefill error changes nothing now
         except LegError as err:
+            if err.upstream is stream.upstream and not prefill.done():
+                # a decode failing before its first token is often the echo of a prefill failure
+                await asyncio.wait({prefill}, timeout=PREFILL_VERDICT_GRACE_S)
             other_failed = prefill.done() and not prefill.cancelled() and isinstance(prefill.exception(), LegError)
             err = prefill.exception() if other_failed else err
             await self._cancel(prefill, "prefill", "peer_failed")
-            await self._write_stream_error(err.status, f"{err.message} ({self.where})", err.type)
+            raise StreamBroke(err) from None
         except ConnectionError:  # writing to the client failed: it is gone (upstream errors are LegErrors)
             await self._stop_streaming_legs(stream, prefill, "client_disconnect")
-            return resp
+            return self.response
         except BaseException:
             await self._stop_streaming_legs(stream, prefill, self._cancel_reason())
             raise
@@ -249,7 +346,7 @@ class PDExchange:
         if not prefill.done():
             self.p.drain(prefill, self._deadline)
         consume(prefill)
-        return resp
+        return self.response
 
     async def _stop_streaming_legs(self, stream: OpenStream, prefill: asyncio.Task, reason: str) -> None:
         await self._cancel(prefill, "prefill", reason)

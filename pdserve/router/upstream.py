@@ -164,13 +164,16 @@ class UpstreamPool:
         """Pick one selectable server of `role`, avoiding URLs in `avoid` while others remain."""
         return self.pick_target(role, avoid, key)[0]
 
-    def pick_target(self, role: Role, avoid: frozenset[str] = frozenset(),
-                    key: RoutingKey = None) -> tuple[Upstream, int | None]:
-        """(server, DP rank) of `role`; the rank is None unless the pool is DP-aware."""
-        healthy = self.selectable(role)
+    def pick_target(self, role: Role, avoid: frozenset[str] = frozenset(), key: RoutingKey = None,
+                    exclude: frozenset[str] = frozenset()) -> tuple[Upstream, int | None]:
+        """(server, DP rank) of `role`; the rank is None unless the pool is DP-aware. `avoid` is a
+        preference, `exclude` a rule (a migrated stream never goes back to the decode that failed)."""
+        healthy = [up for up in self.selectable(role) if up.url not in exclude]
         if not healthy:
-            states = ", ".join(f"{up.url} {up.health.state.value}" for up in self._by_role[role])
-            raise Unavailable(f"no healthy {role.value} server ({states})")
+            states = ", ".join(f"{up.url} {up.health.state.value}" for up in self._by_role[role]
+                               if up.url not in exclude)
+            other = f" other than {', '.join(sorted(exclude))}" if exclude else ""
+            raise Unavailable(f"no healthy {role.value} server{other} ({states or 'none configured'})")
         preferred = [up for up in healthy if up.url not in avoid] or healthy
         policy = self.policy(role)
         if not self.dp_aware:
@@ -182,9 +185,10 @@ class UpstreamPool:
         up = policy.pick(preferred, key)
         return up, up.next_dp_rank()
 
-    def pick_pair(self, avoid: frozenset[str] = frozenset(), key: RoutingKey = None) -> Pair:
+    def pick_pair(self, avoid: frozenset[str] = frozenset(), key: RoutingKey = None,
+                  exclude_decodes: frozenset[str] = frozenset()) -> Pair:
         prefill, p_rank = self.pick_target(Role.PREFILL, avoid, key)
-        decode, d_rank = self.pick_target(Role.DECODE, avoid, key)
+        decode, d_rank = self.pick_target(Role.DECODE, avoid, key, exclude_decodes)
         return Pair(prefill, decode, p_rank, d_rank)
 
     # ---- a server's cache is gone: its policy forgets it ---------------------------------------

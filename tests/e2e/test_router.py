@@ -74,7 +74,8 @@ class Stub(Proc):
         httpx.post(self.url + "/_control", json=knobs, timeout=10).raise_for_status()
 
     def reset(self) -> None:
-        self.control(delay=0, hold=False, fail_status=0, close_mid_stream=False, stream_gate=False, healthy=True, load=0)
+        self.control(delay=0, hold=False, fail_status=0, fail_times=0, close_mid_stream=False, stream_gate=False,
+                     healthy=True, load=0)
         httpx.post(self.url + "/_reset", timeout=10).raise_for_status()
 
 
@@ -248,7 +249,7 @@ def test_logprobs_merged_prefill_first(stubs):
 
 # ---- failures ----------------------------------------------------------------------------
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("failing,status", [("prefill", 500), ("decode", 400)])
+@pytest.mark.parametrize("failing,status", [("prefill", 400), ("decode", 400)])
 def test_failing_leg_gives_one_error_and_cancels_the_other(stubs, failing, status, stream):
     prefill, decode, router = stubs
     bad, other = (prefill, decode) if failing == "prefill" else (decode, prefill)
@@ -265,6 +266,21 @@ def test_failing_leg_gives_one_error_and_cancels_the_other(stubs, failing, statu
     assert err["message"].startswith(f"{failing} server {bad.url} failed with status {status}")
     assert f"stub {failing} failure for room {room}" in err["message"] and f"bootstrap_room={room}" in err["message"]
     wait_for(lambda: other.received()["cancelled"] == [{"path": "/generate", "room": room}], "cancelled leg")
+
+
+@pytest.mark.parametrize("status", [500, 503])
+def test_a_prefill_5xx_before_any_token_is_tried_again_with_new_rooms(stubs, status):
+    """sglang-router's retry set: a prefill that answers 500/503 before any token (a lost worker,
+    a failed handoff) is tried again with fresh rooms; the client gets the second try's answer."""
+    prefill, decode, router = stubs
+    prefill.control(fail_status=status, fail_times=1)
+    before = router.metric('pdserve_router_retries_total{reason="status"}')
+    resp = router.post("/generate", {"text": "x"})
+    assert resp.status_code == 200, resp.text
+    rooms = [b["bootstrap_room"] for b in prefill.bodies()]
+    assert len(rooms) == 2 and rooms[0] != rooms[1]
+    assert decode.bodies()[-1]["bootstrap_room"] == rooms[1]
+    assert router.metric('pdserve_router_retries_total{reason="status"}') == before + 1
 
 
 def test_decode_breaking_mid_stream_ends_the_stream_with_an_error(stubs):
@@ -499,3 +515,24 @@ def test_info_routes_and_metrics(stubs):
     assert "pdserve_router_upstream_latency_seconds_bucket" in text
     labels = " ".join(re.findall(r"\{[^}]*\}", text))
     assert not re.search(r"\d{12,}", labels), "room ids must not appear in labels"
+
+
+def test_worker_startup_timeout_waits_for_every_server_then_names_the_missing(procs, base):
+    """--worker-startup-timeout-secs (sglang-router's flag): start-up waits for every server to
+    pass a health check; one that never does makes the router exit, naming it and the flag."""
+    prefill, decode, _ = base
+    ok = procs.start(Router, "--prefill", prefill.url, str(BOOT_PORT), "--decode", decode.url,
+                     "--worker-startup-timeout-secs", "20")
+    assert httpx.get(ok.url + "/health", timeout=5).status_code == 200
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    cmd = [sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", "0", "--prefill", prefill.url,
+           str(BOOT_PORT), "--decode", dead, "--worker-startup-timeout-secs", "1.5"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert r.returncode != 0, r.stdout + r.stderr
+    out = r.stdout + r.stderr
+    assert "--worker-startup-timeout-secs 1.5" in out and f"decode {dead}" in out, out
+    assert time.monotonic() - t0 < 50
