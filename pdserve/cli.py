@@ -51,10 +51,13 @@ BENCHES = {
     "sweep": "pdserve.bench.sweep",
     "metrics": "pdserve.bench.metrics_overhead",
     "kv": "pdserve.bench.kv_backends_bench",
+    "kv-remote": "pdserve.bench.kv_remote_bench",
     "kernels": "pdserve.bench.kernels_bench",
     "cache-parity": "pdserve.bench.cache_parity",
     "long-arrival": "pdserve.bench.long_arrival",
     "pd-reuse": "pdserve.bench.pd_reuse_bench",
+    "chaos": "pdserve.bench.chaos",
+    "structured": "pdserve.bench.structured_bench",
 }
 
 

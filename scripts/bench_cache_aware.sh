@@ -5,7 +5,8 @@
 #   shared prefix: PREFIXES prefixes x SUFFIXES suffixes (PREFIX_LEN + SUFFIX_LEN tokens)
 #   multi-turn:    CHATS chats x TURNS turns resending their real answers (CHATS odd: with an even
 #                  count round_robin over two servers would keep every chat on one server by chance)
-# Caches are flushed through the router before each workload. Benchmark only (never in CI).
+# Caches are flushed through the router before each workload; sglang-router 0.3.2's own
+# cache_aware runs last as the anchor. Benchmark only (never in CI).
 #   bash scripts/bench_cache_aware.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,11 +41,26 @@ load() {  # $1 name, $2 dataset, more: flags
   grep -iE "mean ttft|median ttft|cache hit|output token throughput" "$OUT/$name-$ds.txt" | sed "s/^/$name $ds: /"
 }
 
-for policy in cache_aware round_robin; do
+serving() {  # $1 log: until a /generate goes through (sglang-router adds workers after its checks)
+  for _ in $(seq 120); do
+    curl -sf "$URL/generate" -H 'Content-Type: application/json' \
+      -d '{"text": "hi", "sampling_params": {"max_new_tokens": 1}}' >/dev/null && return 0; sleep 1
+  done
+  echo "not serving: $URL, log $1" >&2; tail -20 "$1" >&2; exit 1
+}
+
+# sglang-cache_aware: sglang-router 0.3.2 itself, --policy cache_aware with its defaults, as the anchor
+for policy in cache_aware round_robin sglang-cache_aware; do
   echo "== router --policy $policy"
-  setsid $PY -m pdserve router --pd-disaggregation --host 127.0.0.1 --port "$PORT" --policy "$policy" \
-    --log-level warning "${router_args[@]}" > "$OUT/router-$policy.log" 2>&1 & pid=$!
-  up "$URL" "$OUT/router-$policy.log"
+  if [ "$policy" = sglang-cache_aware ]; then
+    setsid $PY -m sglang_router.launch_router --pd-disaggregation --host 127.0.0.1 --port "$PORT" \
+      --policy cache_aware --prometheus-host 127.0.0.1 --prometheus-port "$(port)" --log-level warn \
+      "${router_args[@]}" > "$OUT/router-$policy.log" 2>&1 & pid=$!
+  else
+    setsid $PY -m pdserve router --pd-disaggregation --host 127.0.0.1 --port "$PORT" --policy "$policy" \
+      --log-level warning "${router_args[@]}" > "$OUT/router-$policy.log" 2>&1 & pid=$!
+  fi
+  serving "$OUT/router-$policy.log"
   load "$policy" shared-prefix --prefix-num-prefixes "$PREFIXES" --prefix-suffixes-per-prefix "$SUFFIXES" \
     --prefix-len "$PREFIX_LEN" --suffix-len "$SUFFIX_LEN" --num-prompts $((PREFIXES * SUFFIXES))
   load "$policy" multi-turn --multi-turn-conversations "$CHATS" --multi-turn-turns "$TURNS" \

@@ -63,6 +63,8 @@ class StepOutput:
     finished: bool = False
     finish_reason: dict | None = None
     input_logprobs: list[float | None] | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     held_pages: list[int] | None = None
@@ -150,6 +152,13 @@ class FakeAllocator:
         self._free.extend(reversed(pages))
 
 
+class NoPrefixCache:
+    """FakeEngine's prefix cache: off, nothing cached (what decode admission reads of it)."""
+
+    enabled = False
+    cached_pages = 0
+
+
 @dataclass(eq=False)
 class FakeSeq:
     req: object  # EngineRequest-like: rid, prompt_ids, sampling, return_logprob, hold_kv
@@ -175,6 +184,7 @@ class FakeEngine:
         m = self.model_cfg
         self.pool = FakeKVPool(m.num_layers, num_pages, page_size, m.num_kv_heads, m.head_dim)
         self.allocator = FakeAllocator(num_pages)
+        self.cache = NoPrefixCache()
         self.num_pages, self.page_size = num_pages, page_size
         self.vocab_size, self.max_context, self.max_running = vocab_size, max_context, max_running
         self.eos_token_ids = eos_token_ids
@@ -243,7 +253,8 @@ class FakeEngine:
         self.allocator.free(pages)
         return True
 
-    def add_prefilled(self, req, first_token: int, first_logprob: float | None = None) -> StepOutput:
+    def add_prefilled(self, req, first_token: int, first_logprob: float | None = None, first_top=None,
+                      prompt_logprobs=None, prompt_top=None) -> StepOutput:
         pages = self.held.pop(req.rid)
         n = len(req.prompt_ids)
         self.imports[req.rid] = bool(np.array_equal(
@@ -252,7 +263,12 @@ class FakeEngine:
         seq = FakeSeq(req, pages=pages, num_computed=n, sent_input_logprobs=True)  # as Engine: none here
         self.seqs[req.rid] = seq
         self.running.append(seq)
-        return self._emit(seq, first_token, first_logprob)
+        out = self._emit(seq, first_token, first_logprob)
+        if req.return_logprob:  # as Engine: the prefill's alternatives and (echo) prompt logprobs
+            out.top_logprobs = first_top
+            if prompt_logprobs is not None:
+                out.input_logprobs, out.input_top_logprobs = prompt_logprobs, prompt_top
+        return out
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .logprobs import PromptLogprobs, TopLogprobs
 from .pd_vocab import DEFAULT_BOOTSTRAP_PORT
 from .sampling import SamplingParams
 
@@ -36,6 +37,8 @@ class GenerateReq:
     pd: PDParams | None = None
     arrival_time: float = 0.0
     dispatch_reason: str = ""  # why the front picked this rank (for timelines and logs)
+    top_logprobs: int = 0  # alternatives with every returned logprob (return_logprob)
+    prompt_logprobs: PromptLogprobs = PromptLogprobs.WITH_RETURN_LOGPROB
 
 
 @dataclass(frozen=True)
@@ -99,11 +102,13 @@ class TokenOutput:
     rid: str
     token_ids: list[int] = field(default_factory=list)
     token_logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None  # one list of alternatives per token, when asked
     finished: bool = False
     finish_reason: dict | None = None  # {"type": "stop"|"length"|"abort", "matched": ...}
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV was reused (prefix cache), with every output
     input_logprobs: list[float | None] | None = None  # first output only, when asked
+    input_top_logprobs: list[TopLogprobs | None] | None = None  # with input_logprobs, when asked
     error: ErrorInfo | None = None
     meta: dict = field(default_factory=dict)  # extra meta_info, e.g. handoff timings
     timeline: dict[str, float] = field(default_factory=dict)  # worker stages: core.timeline name -> time.time()

@@ -5,6 +5,8 @@ added, EOS/stop ids are masked while fewer than min_new_tokens were generated, t
 repetition_penalty (prompt + generated tokens: logits > 0 divided by it, others multiplied),
 frequency_penalty * count and presence_penalty * [count > 0] (generated tokens only, OpenAI's
 definition) are applied, before temperature / top-k / min-p / top-p and before greedy's argmax.
+A `grammar` (structured output: JSON schema, regex, choice, EBNF) then sets every token it does
+not allow next to -inf, so every sampling mode picks among allowed tokens only.
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ import math
 from dataclasses import dataclass, fields
 
 from .errors import BadRequest
+from .grammar_spec import GrammarSpec, from_sglang_sampling
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for presence_penalty and frequency_penalty
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's range for a logit_bias value
 MAX_LOGIT_BIAS_ENTRIES = 1024
 # SGLang sampling_params keys that ask for what this server does not do: refused, never ignored
-UNSUPPORTED_SAMPLING_KEYS = {"json_schema": " (no constrained decoding)", "regex": " (no constrained decoding)",
-                             "ebnf": " (no constrained decoding)", "structural_tag": " (no constrained decoding)",
+UNSUPPORTED_SAMPLING_KEYS = {"structural_tag": " (json_schema, regex and ebnf are)",
                              "stop_regex": " (stop takes plain strings)"}
 
 
@@ -46,6 +48,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique
     min_new_tokens: int = 0  # EOS and stop_token_ids are masked until this many were generated
+    grammar: GrammarSpec | None = None  # structured output: tokens outside it are masked (core/grammar_spec.py)
 
     @property
     def greedy(self) -> bool:
@@ -59,7 +62,7 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Any logit processor applies (otherwise the sampler does no extra work for this row)."""
-        return self.penalizes or bool(self.logit_bias) or self.min_new_tokens > 0
+        return self.penalizes or bool(self.logit_bias) or self.min_new_tokens > 0 or self.grammar is not None
 
     def replace(self, **kw) -> "SamplingParams":
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -152,6 +155,7 @@ class SamplingParams:
             # vLLM does not match stop strings before min_tokens; our stop strings are matched
             # in the front (server/request_state.py), which does not know min_new_tokens yet
             raise unsupported(f"{label('min_new_tokens')} together with {label('stop')}")
+        kw["grammar"] = from_sglang_sampling(obj, label)
         return cls(**kw)
 
 

@@ -149,7 +149,7 @@ class Accept(Event):
 class PrefillDone(Event):
     room: int
     pages: list[int]
-    aux: dict  # first_token, first_logprob, input_logprobs, prompt_len, cached_tokens
+    aux: dict  # the KvDone facts of _DONE_FIELDS: first token, logprobs, prompt_len, cached_tokens
 
 
 @dataclass(frozen=True)
@@ -329,7 +329,8 @@ class Forwarded(NamedTuple):
     since: float
 
 
-_DONE_FIELDS = ("first_token", "first_logprob", "input_logprobs", "prompt_len", "cached_tokens")
+_DONE_FIELDS = ("first_token", "first_logprob", "first_top_logprobs", "input_logprobs", "input_top_logprobs",
+                "prompt_len", "cached_tokens")
 
 
 def _done_fields(aux: dict) -> dict:

@@ -57,7 +57,9 @@ class KvDone(_Msg, tag=KV_DONE):
     prefill_rank: int
     first_token: int
     first_logprob: float | None = None
+    first_top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), most likely first
     input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     prompt_len: int | None = None
     cached_tokens: int = 0
     bytes: int = 0

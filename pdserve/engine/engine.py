@@ -7,6 +7,9 @@ Freed full pages stay in the prefix cache (prefix_cache.py) for later requests t
 until eviction needs them or flush_cache() forgets them.
 KV import for another engine's prefill: reserve() pages, fill them from outside, then
 add_prefilled() continues decoding from the given first token.
+Structured outputs: a request whose sampling has a grammar gets a matcher (grammar_mask.py) that
+masks the sampler's logits each step and is advanced by every token emitted, add_prefilled's
+first token included; the request ends as a stop once the grammar allows nothing more.
 """
 
 from __future__ import annotations
@@ -17,11 +20,14 @@ from dataclasses import dataclass
 import torch
 
 from ..core.errors import BadRequest
+from ..core.logprobs import MAX_TOP_LOGPROBS, TopLogprobs
 from ..core.page_keys import chain_hashes
 from .allocator import PageAllocator
 from .attention import AttnBatch
 from .cpu_kernels import PagedAttentionKernel
+from .grammar_mask import EngineGrammar
 from .kv_pool import KVPool
+from .logprobs import logprobs_of
 from .prefix_cache import CacheCounters, PrefixCache
 from .sampler import make_generator, sample
 from .scheduler import Batch, Scheduler
@@ -55,8 +61,9 @@ class EngineStats:
 class Engine:
     def __init__(self, model: torch.nn.Module, pool: KVPool, cfg: EngineConfig,
                  device: str | torch.device = "cpu",
-                 attention_kernel: PagedAttentionKernel | None = None):
+                 attention_kernel: PagedAttentionKernel | None = None, grammars=None):
         self.model = model
+        self.grammar = EngineGrammar(grammars)  # grammars: grammar.matcher.Matchers, None: refused
         if attention_kernel is not None and not attention_kernel.supports_model(
                 pool.dtype, model.cfg.num_heads, pool.num_kv_heads, pool.head_dim):
             attention_kernel = None  # e.g. head_dim 80: the torch path
@@ -86,6 +93,10 @@ class Engine:
                              f"holds ({self.cfg.num_pages * self.cfg.page_size})")
         if req.rid in self.seqs or req.rid in self.held:
             raise BadRequest(f"request id {req.rid} is already in use")
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"request {req.rid}: top_logprobs={req.top_logprobs} is out of range "
+                             f"[0, {MAX_TOP_LOGPROBS}]")
+        self.grammar.check(req.rid, req.sampling)
         vocab = self.cfg.vocab_size
         bad = next((t for t, _ in req.sampling.logit_bias if t >= vocab), None) if vocab else None
         if bad is not None:
@@ -95,8 +106,10 @@ class Engine:
     def add(self, req: EngineRequest) -> None:
         self.validate(req)
         seq = Sequence(req, generator=make_generator(req.sampling.seed))
-        if req.return_logprob:
+        self.grammar.attach(seq)
+        if req.wants_prompt_logprobs:
             seq.input_logprobs = [None]
+            seq.input_top_logprobs = [None] if req.top_logprobs else None
         self.seqs[req.rid] = seq
         self.scheduler.waiting.append(seq)
 
@@ -168,17 +181,25 @@ class Engine:
         self.cache.release(pages)
         return True
 
-    def add_prefilled(self, req: EngineRequest, first_token: int,
-                      first_logprob: float | None = None) -> StepOutput:
-        """Continue a request whose prompt KV is already in the pages reserved under req.rid."""
+    def add_prefilled(self, req: EngineRequest, first_token: int, first_logprob: float | None = None,
+                      first_top: TopLogprobs | None = None, prompt_logprobs: list[float | None] | None = None,
+                      prompt_top: list[TopLogprobs | None] | None = None) -> StepOutput:
+        """Continue a request whose prompt KV is already in the pages reserved under req.rid, from
+        the first token another engine sampled (with its logprob and alternatives); the prompt's
+        logprobs computed there, when given, go out with the first output. max_new_tokens=0
+        (echo of the prompt's logprobs only) finishes at once without that token."""
         pages = self.held.pop(req.rid)
         seq = Sequence(req, generator=make_generator(req.sampling.seed), pages=pages,
-                       num_computed=len(req.prompt_ids), status=SeqStatus.RUNNING)
+                       num_computed=len(req.prompt_ids), status=SeqStatus.RUNNING,
+                       input_logprobs=prompt_logprobs, input_top_logprobs=prompt_top)
         seq.cached_tokens = 0
+        self.grammar.attach(seq)  # _emit advances it by the first token
         self.scheduler.offer_full_pages(seq)
         self.seqs[req.rid] = seq
         self.scheduler.running.append(seq)
-        return self._emit(seq, first_token, first_logprob)
+        if req.sampling.max_new_tokens == 0:
+            return self._finish(seq, None, None, {"type": "length", "length": 0})
+        return self._emit(seq, first_token, first_logprob, first_top)
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -206,7 +227,8 @@ class Engine:
             positions.extend(range(start, start + n))
         seq_lens = [s.num_computed + n for s, n in zip(batch.seqs, batch.new_lens)]
         attn = AttnBatch.build(seq_lens, batch.new_lens, [s.pages for s in batch.seqs],
-                               self.cfg.page_size, self.device, self.attention_kernel)
+                               self.cfg.page_size, self.device, self.attention_kernel,
+                               rope_lens=[s.num_tokens for s in batch.seqs])
         hidden = self.model(torch.tensor(ids, device=self.device),
                             torch.tensor(positions, device=self.device), attn, self.pool)
         return self._account(batch, hidden)
@@ -238,60 +260,69 @@ class Engine:
         return outs
 
     def _input_logprobs(self, seq: Sequence, h: torch.Tensor) -> None:
-        """Logprobs of the prompt tokens this chunk predicts (hidden row i predicts position
-        start + i + 1), skipping positions already recorded before a preemption."""
+        """Logprobs (and alternatives, when asked) of the prompt tokens this chunk predicts
+        (hidden row i predicts position start + i + 1), skipping positions already recorded
+        before a preemption."""
         start = seq.num_computed
         first = max(start + 1, len(seq.input_logprobs))
         end = min(start + 1 + h.shape[0], len(seq.req.prompt_ids))
         if first >= end:
             return
         rows = h[first - 1 - start:end - 1 - start]
-        lp = torch.log_softmax(self.model.logits(rows), dim=-1)
-        targets = torch.tensor(seq.req.prompt_ids[first:end], device=lp.device)
-        seq.input_logprobs.extend(lp.gather(1, targets.view(-1, 1)).view(-1).tolist())
+        targets = torch.tensor(seq.req.prompt_ids[first:end], device=rows.device)
+        lps, tops = logprobs_of(self.model.raw_logits(rows), targets, [seq.req.top_logprobs] * (end - first))
+        seq.input_logprobs.extend(lps)
+        if seq.input_top_logprobs is not None:
+            seq.input_top_logprobs.extend(tops)
 
     def _sample_and_emit(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
         tokens = sample(logits, [s.req.sampling for s in seqs], [s.generator for s in seqs],
-                        [s.history for s in seqs], self.cfg.eos_token_ids)
-        logprobs = None
+                        [s.history for s in seqs], self.cfg.eos_token_ids, self.grammar.masks(seqs))
+        logprobs, tops = None, None
         if any(s.req.return_logprob for s in seqs):
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            logprobs = lp.gather(1, tokens.view(-1, 1).to(lp.device)).view(-1).tolist()
+            logprobs, tops = logprobs_of(logits, tokens, [s.req.top_logprobs for s in seqs])
         tokens = tokens.tolist()
-        return [self._emit(s, tokens[i], logprobs[i] if logprobs else None)
+        return [self._emit(s, tokens[i], logprobs[i] if logprobs else None, tops[i] if tops else None)
                 for i, s in enumerate(seqs)]
 
-    def _emit(self, seq: Sequence, token: int, logprob: float | None) -> StepOutput:
+    def _emit(self, seq: Sequence, token: int, logprob: float | None,
+              top: TopLogprobs | None = None) -> StepOutput:
         seq.append_output(token)
         p = seq.req.sampling
-        reason = None
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.cfg.eos_token_ids):
+        reason = self.grammar.refused(seq, token)
+        if reason is not None:
+            pass
+        elif token in p.stop_token_ids or (not p.ignore_eos and token in self.cfg.eos_token_ids):
             reason = {"type": "stop", "matched": token}
+        elif self.grammar.complete(seq):  # nothing but EOS may follow: done without that step
+            reason = {"type": "stop", "matched": None}
         elif len(seq.output_ids) >= p.max_new_tokens or seq.num_tokens >= self.cfg.max_context:
             reason = {"type": "length", "length": len(seq.output_ids)}
         if reason is not None:
-            return self._finish(seq, token, logprob, reason)
-        return self._output(seq, token, logprob)
+            return self._finish(seq, token, logprob, reason, top)
+        return self._output(seq, token, logprob, top)
 
     def _output(self, seq: Sequence, token: int | None, logprob: float | None,
-                **kw) -> StepOutput:
-        out = StepOutput(seq.rid, token, logprob if seq.req.return_logprob else None,
+                top: TopLogprobs | None = None, **kw) -> StepOutput:
+        lp = seq.req.return_logprob
+        out = StepOutput(seq.rid, token, logprob if lp else None, top_logprobs=top if lp else None,
                          prompt_tokens=len(seq.req.prompt_ids), cached_tokens=seq.cached_tokens or 0,
                          **kw)
         if seq.input_logprobs is not None and not seq.sent_input_logprobs:
             out.input_logprobs = seq.input_logprobs
+            out.input_top_logprobs = seq.input_top_logprobs
             seq.sent_input_logprobs = True
         return out
 
     def _finish(self, seq: Sequence, token: int | None, logprob: float | None,
-                reason: dict) -> StepOutput:
+                reason: dict, top: TopLogprobs | None = None) -> StepOutput:
         hold = seq.req.hold_kv
         held = list(seq.pages) if hold else None
         self.scheduler.remove(seq, free_pages=not hold)
         self.seqs.pop(seq.rid, None)
         if hold:
             self.held[seq.rid] = held
-        return self._output(seq, token, logprob, finished=True, finish_reason=reason,
+        return self._output(seq, token, logprob, top, finished=True, finish_reason=reason,
                             held_pages=held)
 
 

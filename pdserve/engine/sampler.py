@@ -5,6 +5,8 @@ whose params ask for one: logit_bias, min_new_tokens (EOS / stop ids masked), th
 repetition_penalty over prompt + generated tokens, frequency and presence penalties over the
 generated ones. A batch where no row asks for any costs nothing extra. The token history a row
 needs is kept incrementally per sequence (`TokenHistory`), so a step never walks Python lists.
+Rows under a grammar (structured outputs) get the tokens it does not allow set to -inf last
+(grammar_mask.BatchMasks), so every sampling mode picks among allowed tokens only.
 """
 
 from __future__ import annotations
@@ -66,14 +68,17 @@ class TokenHistory:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            histories: list[TokenHistory | None] | None = None,
-           eos_token_ids: tuple[int, ...] = ()) -> torch.Tensor:
+           eos_token_ids: tuple[int, ...] = (), masks=None) -> torch.Tensor:
     """logits [B, V] (any float dtype; rows nobody processes are not converted) -> token ids [B]
-    (long, CPU). `histories[i]` is required for rows whose params process logits."""
+    (long, CPU). `histories[i]` is required for rows whose params process logits. `masks`
+    (grammar_mask.BatchMasks) blocks the tokens each grammar row's grammar does not allow."""
     rows = [i for i, p in enumerate(params) if p.processes_logits]
     processed = None
     if rows:
         assert histories is not None, "logit processors need the sequences' token histories"
         processed = process_logits(logits, rows, params, histories, eos_token_ids)
+        if masks is not None:
+            masks.apply(processed, rows)
     if all(p.greedy for p in params):
         # max(dim).indices: the first maximum, as argmax, but vectorized for bfloat16 (~5x faster)
         if processed is None:

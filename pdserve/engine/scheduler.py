@@ -108,7 +108,7 @@ class Scheduler:
         """Start a page-less sequence from its longest cached prefix (none when it wants
         logprobs of its prompt: those need every position computed)."""
         seq.num_computed = 0
-        if not self.cache.enabled or seq.req.return_logprob:
+        if not self.cache.enabled or seq.req.wants_prompt_logprobs:
             if seq.cached_tokens is None:
                 seq.cached_tokens = 0
             return

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core.logprobs import PromptLogprobs, TopLogprobs
 from ..core.sampling import SamplingParams
 from .sampler import TokenHistory
 
@@ -22,8 +23,15 @@ class EngineRequest:
     rid: str
     prompt_ids: list[int]
     sampling: SamplingParams
-    return_logprob: bool = False
+    return_logprob: bool = False  # the sampled tokens' logprobs (and the prompt's, see prompt_logprobs)
     hold_kv: bool = False  # keep the KV pages after finishing, until release(rid)
+    top_logprobs: int = 0  # with every returned logprob, this many most likely alternatives
+    prompt_logprobs: PromptLogprobs = PromptLogprobs.WITH_RETURN_LOGPROB
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Every prompt position is computed (no prefix-cache lookup) for its logprob."""
+        return self.return_logprob and self.prompt_logprobs is not PromptLogprobs.NONE
 
 
 @dataclass
@@ -34,6 +42,8 @@ class StepOutput:
     finished: bool = False
     finish_reason: dict | None = None
     input_logprobs: list[float | None] | None = None  # with the first token, when asked
+    top_logprobs: TopLogprobs | None = None  # the token's alternatives, when asked
+    input_top_logprobs: list[TopLogprobs | None] | None = None  # per prompt position, with input_logprobs
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     held_pages: list[int] | None = None  # finished hold_kv requests: their KV pages
@@ -48,11 +58,13 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the pool
     status: SeqStatus = SeqStatus.WAITING
     input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[TopLogprobs | None] | None = None
     sent_input_logprobs: bool = False
     page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full pages
     offered: int = 0  # leading pages already offered to the prefix cache
     cached_tokens: int | None = None  # prompt tokens reused from the cache, set when first scheduled
     history: TokenHistory | None = None  # for logit processors (penalties, min_new_tokens), else None
+    matcher: object | None = None  # grammar.matcher.SeqMatcher of a structured output, else None
 
     def __post_init__(self):
         if self.history is None:

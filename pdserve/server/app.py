@@ -27,6 +27,11 @@ from .native_api import NativeCall, item_reply, parse_generate
 from .openai_api import OpenAIReply
 from .openai_protocol import parse_chat, parse_completion
 from .request_state import ItemProgress
+from .api_options import ApiOptions
+from .protocol import opt_bool
+from .running import RunningRequests
+from .tokenize_api import detokenize, tokenize
+from .resume import ProgressLines, wants_progress
 
 log = logging.getLogger(__name__)
 CLIENT_CLOSED = 499  # nginx's code for "client closed request"; never seen by the client
@@ -53,29 +58,41 @@ async def _guarded(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     yield SSE_DONE
 
 
-async def native_events(front: Front, call: NativeCall, active: ActiveRequest) -> AsyncIterator[bytes]:
+async def native_events(front: Front, call: NativeCall, active: ActiveRequest,
+                        progress: ProgressLines | None = None) -> AsyncIterator[bytes]:
     async for prog in active.events():
         if prog.error:
             raise error_from(prog.error)
-        yield sse(item_reply(prog, front.tokenizer, call.text_in_logprobs,
-                             prog.item.index if call.batched else None, call.return_timeline))
+        data = sse(item_reply(prog, front.tokenizer, call.text_in_logprobs,
+                              prog.item.index if call.batched else None, call.return_timeline))
+        if progress is not None:  # a router that may migrate the stream (server/resume.py)
+            data = progress.line(prog.rid, prog.output_ids, len(prog.output_ids), prog.finished,
+                                 prog.resumed) + data
+        yield data
 
 
-async def openai_events(reply: OpenAIReply, active: ActiveRequest) -> AsyncIterator[bytes]:
+async def openai_events(reply: OpenAIReply, active: ActiveRequest,
+                        progress: ProgressLines | None = None) -> AsyncIterator[bytes]:
     async for prog in active.events():
         if prog.error:
             raise error_from(prog.error)
         chunk = reply.chunk(prog)
         if chunk is not None:
-            yield sse(chunk)
+            data = sse(chunk)
+            if progress is not None:
+                data = progress.line(prog.rid, prog.output_ids, reply.streamed_tokens(prog.item.index),
+                                     prog.finished, prog.resumed) + data
+            yield data
     usage = reply.usage_chunk(list(active.progress.values()))
     if usage is not None:
         yield sse(usage)
 
 
-async def _start(front: Front, items) -> tuple[ActiveRequest, Callable[[], None]]:
+async def _start(front: Front, items, running: RunningRequests | None = None
+                 ) -> tuple[ActiveRequest, Callable[[], None]]:
     """Admit the request (a slot, or 429 when the server is full), then send its items to the
-    workers; the returned close() aborts what is unfinished and frees the slot."""
+    workers; the returned close() aborts what is unfinished and frees the slot. While it runs,
+    `running` lists it for /abort_request."""
     gen = front.generator
     slot = await front.admit(items)
     try:
@@ -83,8 +100,12 @@ async def _start(front: Front, items) -> tuple[ActiveRequest, Callable[[], None]
     except BaseException:
         slot.release()
         raise
+    if running is not None:
+        running.add(active)
 
     def close() -> None:
+        if running is not None:
+            running.remove(active)
         active.close()
         slot.release()
     return active, close
@@ -147,6 +168,11 @@ def build_app(front: Front, should_abort: Callable[[], bool] | None = None) -> F
     if front.cfg.api_key:  # outside the body limit: a stranger gets 401 whatever the size
         app.add_middleware(ApiKeyMiddleware, api_key=front.cfg.api_key)
     tok = front.tokenizer
+    cfg = front.cfg
+    opts = ApiOptions.build(front.served_names, cfg.generation_config, front.model_dir,
+                            tok.chat_template.source if tok.chat_template else None, cfg.tool_call_parser,
+                            cfg.reasoning_parser)  # a bad flag or generation_config.json: ValueError now
+    running = RunningRequests()
 
     @app.get("/health")
     async def health():
@@ -173,8 +199,26 @@ def build_app(front: Front, should_abort: Callable[[], bool] | None = None) -> F
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
-            "id": front.model_name, "object": "model", "created": int(time.time()), "owned_by": "pdserve",
-            "root": front.model_dir, "max_model_len": front.generator.limits.max_context}]}
+            "id": name, "object": "model", "created": int(time.time()), "owned_by": "pdserve",
+            "root": front.model_dir, "max_model_len": front.generator.limits.max_context}
+            for name in opts.served_names]}
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return tokenize(await json_body(request), tok, opts, front.generator.limits.max_context)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return detokenize(await json_body(request), tok, opts)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        body = await json_body(request)
+        rid, abort_all = body.get("rid"), opt_bool(body, "abort_all")
+        if not abort_all and (not isinstance(rid, str) or not rid):
+            raise BadRequest("abort_request needs a rid (a non-empty string) or abort_all: true")
+        aborted = running.abort(rid, abort_all)
+        return {"success": True, "aborted": aborted}
 
     @app.api_route("/flush_cache", methods=["POST", "GET"])  # SGLang serves both
     async def flush_cache():
@@ -186,9 +230,11 @@ def build_app(front: Front, should_abort: Callable[[], bool] | None = None) -> F
 
     @app.post("/generate")
     async def generate(request: Request):
-        call = parse_generate(await json_body(request), tok)
-        active, close = await _start(front, call.items)
-        events = native_events(front, call, active) if call.stream else None
+        body = await json_body(request)
+        call = parse_generate(body, tok, opts)
+        progress = ProgressLines() if call.stream and wants_progress(body) else None
+        active, close = await _start(front, call.items, running)
+        events = native_events(front, call, active, progress) if call.stream else None
 
         def reply(progs):
             out = [item_reply(p, tok, call.text_in_logprobs, timeline=call.return_timeline) for p in progs]
@@ -197,10 +243,16 @@ def build_app(front: Front, should_abort: Callable[[], bool] | None = None) -> F
 
     async def openai_route(request: Request, chat: bool):
         body = await json_body(request)
-        call = (parse_chat if chat else parse_completion)(body, tok)
-        reply = OpenAIReply(call, tok, call.model or front.model_name, chat)
-        active, close = await _start(front, call.items)
-        events = openai_events(reply, active) if call.stream else None
+        model = opts.check_model(body["model"] if isinstance(body.get("model"), str) else None)  # 404 first
+        call = (parse_chat if chat else parse_completion)(body, tok, opts)
+        resume = call.items[0].resume
+        reply = OpenAIReply(call, tok, model, chat,
+                            id=(resume and resume.reply_id) or "", created=(resume and resume.created) or 0)
+        progress = ProgressLines({"id": reply.id, "created": reply.created}) \
+            if call.stream and wants_progress(body) else None
+        active, close = await _start(front, call.items, running)
+        reply.resume(active.progress.values())
+        events = openai_events(reply, active, progress) if call.stream else None
         return await _finish(request, active, close, events, reply.full)
 
     @app.post("/v1/completions")

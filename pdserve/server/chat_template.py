@@ -14,6 +14,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from ..core.errors import BadRequest
 
 
+RESERVED_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
 class _GenerationBlock(Extension):
     """Accepts HF's `{% generation %}...{% endgeneration %}` tag and renders its body unchanged."""
 
@@ -60,6 +63,9 @@ class ChatTemplate:
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
                tools: list | None = None, extra: dict | None = None) -> str:
         """The prompt text; a template error (e.g. raise_exception on a bad role order) is a 400."""
+        taken = sorted(set(extra or ()) & RESERVED_NAMES)
+        if taken:
+            raise BadRequest(f"chat_template_kwargs must not set {taken} (they come from the request itself)")
         kwargs = {**self.special_tokens, **(extra or {})}
         try:
             return self._template.render(messages=messages, tools=tools, documents=None,

@@ -18,12 +18,14 @@ from typing import Callable
 from .. import __version__
 from ..core.config import ServerConfig
 from ..core.errors import PDServeError, Unavailable
+from ..core.envs import Envs
 from ..core.log_format import new_instance_id
+from ..core.netaddr import resolve_advertise_host
 from ..core.messages import WorkerReady
 from ..core.sampling import SamplingParams
 from .dispatcher import DPDispatcher
 from .generation import Generator, Limits
-from .limits import Admission, AdmissionLimits, Slot
+from .limits import RETRY_AFTER_S, Admission, AdmissionLimits, Slot
 from .metrics import FrontMetrics
 from .protocol import RequestItem
 from .roles import Dispatch, FrontRole, RoleContext, make_role
@@ -35,11 +37,20 @@ log = logging.getLogger(__name__)
 METRICS_STATS_TIMEOUT_S = 2.0
 
 
+def advertised_host(cfg: ServerConfig, envs: Envs) -> str:
+    """What this server's peers are told (flags win over their env vars, as a pair)."""
+    host, nic = cfg.advertise_host, cfg.advertise_interface
+    if not host and not nic:
+        host, nic = envs.advertise_host, envs.advertise_interface
+    return resolve_advertise_host(cfg.host, host, nic)
+
+
 class Front:
     def __init__(self, cfg: ServerConfig, model_dir: str, worker_module: str = DEFAULT_WORKER_MODULE,
                  role: FrontRole | None = None, start_timeout_s: float = 600.0,
                  stats_timeout_s: float = 10.0, health_timeout_s: float = 30.0):
-        cfg = replace(cfg, instance_id=cfg.instance_id or new_instance_id())  # workers log it too
+        cfg = replace(cfg, instance_id=cfg.instance_id or new_instance_id(),  # workers log it too
+                      advertise_host=advertised_host(cfg, Envs.read()))  # raises AddressError
         self.cfg = cfg
         self.model_dir = os.path.abspath(model_dir)
         self.tokenizer = ServerTokenizer.from_dir(self.model_dir)
@@ -57,7 +68,12 @@ class Front:
 
     @property
     def model_name(self) -> str:
-        return self.cfg.served_model_name or os.path.basename(self.model_dir.rstrip("/")) or self.model_dir
+        return self.served_names[0]
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """--served-model-name, or the model directory's name: what `model` may say."""
+        return self.cfg.served_model_name or (os.path.basename(self.model_dir.rstrip("/")) or self.model_dir,)
 
     @property
     def generator(self) -> Generator:
@@ -189,4 +205,6 @@ def error_from(info) -> PDServeError:
     err = PDServeError(info.message)
     err.status = info.status
     err.type = info.type
+    if info.status == 429:  # a worker's back-pressure (decode admission): tell when to retry
+        err.retry_after = RETRY_AFTER_S
     return err

@@ -19,7 +19,7 @@ from typing import AsyncIterator
 
 from ..core.errors import BadRequest, Timeout
 from ..core.log_format import fields
-from ..core.messages import GenerateReq
+from ..core.messages import GenerateReq, TokenOutput
 from .dispatcher import DPDispatcher
 from .metrics import FrontMetrics
 from .protocol import RequestItem
@@ -58,7 +58,8 @@ class ActiveRequest:
 
     def send_all(self) -> None:
         for it, d in self._where.values():
-            req = GenerateReq(it.rid, it.input_ids, it.sampling, it.return_logprob, d.pd, time.time(), d.reason)
+            req = GenerateReq(it.rid, it.input_ids, it.sampling, it.return_logprob, d.pd, time.time(), d.reason,
+                              it.top_logprobs, it.prompt_logprobs)
             self._gen.pool.submit(d.dp_rank, req, self._sink)
             self._sent.add(it.rid)
             self.progress[it.rid].dispatched(d.dp_rank, d.reason)
@@ -111,6 +112,17 @@ class ActiveRequest:
                     tl = prog.timeline()
                     log.debug("timeline", extra=fields(rid=prog.rid, room=tl.get("bootstrap_room"), timeline=tl))
             yield prog
+
+    def abort_item(self, rid: str, reason: str) -> bool:
+        """End one unfinished item now (SGLang's /abort_request): its worker drops it and frees
+        its pages, and its progress finishes with finish_reason abort, so a stream ends cleanly."""
+        prog = self.progress.get(rid)
+        if self._closed or prog is None or prog.finished:
+            return False
+        if rid in self._sent:
+            self._gen.pool.abort(rid, reason)
+        self._sink.put_nowait(TokenOutput(rid, finished=True, finish_reason={"type": "abort", "message": reason}))
+        return True
 
     def close(self, reason: str = "request closed before it finished (client gone or error)") -> None:
         """Abort every unfinished item at its worker and release its dispatcher load. Idempotent."""

@@ -1,8 +1,11 @@
 """SGLang's native `POST /generate`: body -> request items, progress -> reply JSON.
 
 `sampling_params` takes SGLang's names (SamplingParams.from_json): penalties, min_new_tokens and
-logit_bias work; json_schema / regex / ebnf / structural_tag / stop_regex and top_logprobs_num > 0
-are refused with a 400 naming the field.
+logit_bias work; `json_schema` (JSON text), `regex` and `ebnf` constrain the output (one of them;
+a bad one is a 400 with the grammar library's message); structural_tag and stop_regex are
+refused with a 400 naming the field. `return_logprob` gives the prompt's and the sampled tokens' logprobs;
+`top_logprobs_num` (up to 20) adds each position's most likely alternatives (meta_info
+input_top_logprobs / output_top_logprobs, entries [logprob, token id, text or null]).
 """
 
 from __future__ import annotations
@@ -10,9 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.errors import BadRequest
-from ..core.sampling import SamplingParams, unsupported
+from ..core.logprobs import MAX_TOP_LOGPROBS
+from ..core.sampling import SamplingParams
+from .api_options import ApiOptions
+from .refused_fields import refuse_generate
+from .sampling_defaults import with_defaults
 from .protocol import RequestItem, build_items, check_token_ids, opt_bool, opt_int
 from .request_state import ItemProgress
+from .structured_outputs import check_sampling
 from .tokenizer import ServerTokenizer
 
 
@@ -46,8 +54,20 @@ def _prompts(body: dict, tok: ServerTokenizer) -> tuple[list[list[int]], bool]:
     return [check_token_ids(ids, "input_ids")], False
 
 
-def parse_generate(body: dict, tok: ServerTokenizer) -> NativeCall:
+def _sampling_seed(sp):
+    """SGLang's sampling_params.sampling_seed is the per-request seed (our `seed`)."""
+    if not isinstance(sp, dict) or sp.get("sampling_seed") is None:
+        return sp
+    seed, other = sp["sampling_seed"], sp.get("seed")
+    if other is not None and other != seed:
+        raise BadRequest(f"sampling_params.sampling_seed={seed!r} and seed={other!r} disagree; give one")
+    return {**{k: v for k, v in sp.items() if k != "sampling_seed"}, "seed": seed}
+
+
+def parse_generate(body: dict, tok: ServerTokenizer, opts: ApiOptions | None = None) -> NativeCall:
+    """`opts`: the server's sampling defaults (generation_config)."""
     prompts, batched = _prompts(body, tok)
+    refuse_generate(body)
     sp = body.get("sampling_params")
     if isinstance(sp, list):
         if len(sp) != len(prompts):
@@ -55,18 +75,28 @@ def parse_generate(body: dict, tok: ServerTokenizer) -> NativeCall:
         raw = sp
     else:
         raw = [sp] * len(prompts)
-    sampling = [SamplingParams.from_json(x) for x in raw]
+    defaults = (opts or ApiOptions()).sampling_defaults
+    raw = [_sampling_seed(x) for x in raw]
+    sampling = [SamplingParams.from_json(with_defaults(x, defaults)) for x in raw]
+    for sp in sampling:
+        check_sampling(sp)  # a bad json_schema / regex / ebnf is a 400 here, before any worker
     given = [isinstance(x, dict) and x.get("max_new_tokens") is not None for x in raw]
     return_logprob = opt_bool(body, "return_logprob")
-    if (opt_int(body, "top_logprobs_num", 0) or 0) > 0:
-        raise unsupported("top_logprobs_num > 0", " (only the sampled tokens' logprobs are returned)")
-    items = build_items(body, prompts, sampling, given, return_logprob)
+    top = opt_int(body, "top_logprobs_num", 0, MAX_TOP_LOGPROBS) or 0
+    if top and not return_logprob:
+        raise BadRequest("top_logprobs_num needs return_logprob: true")
+    items = build_items(body, prompts, sampling, given, return_logprob, top)
     return NativeCall(items, opt_bool(body, "stream"), batched or len(items) > 1,
                       opt_bool(body, "return_text_in_logprobs"), opt_bool(body, "return_timeline"))
 
 
 def _logprob_list(logprobs, ids, tok: ServerTokenizer | None) -> list:
     return [[lp, t, tok.token_text(t) if tok else None] for lp, t in zip(logprobs, ids)]
+
+
+def _top_list(tops, tok: ServerTokenizer | None) -> list:
+    return [None if alts is None else _logprob_list([lp for _, lp in alts], [t for t, _ in alts], tok)
+            for alts in tops]
 
 
 def item_reply(prog: ItemProgress, tok: ServerTokenizer, text_in_logprobs: bool,
@@ -87,6 +117,9 @@ def item_reply(prog: ItemProgress, tok: ServerTokenizer, text_in_logprobs: bool,
         inp = prog.input_logprobs or []
         meta["input_token_logprobs"] = _logprob_list(inp, prog.item.input_ids, name_tok)
         meta["output_token_logprobs"] = _logprob_list(prog.output_logprobs, prog.output_ids, name_tok)
+        if prog.item.top_logprobs:
+            meta["input_top_logprobs"] = _top_list(prog.input_top_logprobs or [], name_tok)
+            meta["output_top_logprobs"] = _top_list(prog.output_top_logprobs, name_tok)
     if timeline and prog.finished:
         meta["timeline"] = prog.timeline()
     out = {"text": prog.visible_text(), "output_ids": list(prog.output_ids), "meta_info": meta}

@@ -2,7 +2,8 @@
 
 A `OpenAIReply` is built once per HTTP request (id, created, model name, kind) and turns item
 progress into JSON. Streaming sends deltas of the text safe to show; their concatenation is
-exactly the non-streamed text.
+exactly the non-streamed text. A chat call with a reasoning or tool parser (`call.shape`) reads
+each choice's text through server/chat_output.py into reasoning_content, content and tool_calls.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from .chat_output import ChatOutput
+from .openai_logprobs import CompletionLogprobs, chat_content
 from .openai_protocol import OpenAICall
 from .request_state import ItemProgress
 from .tokenizer import ServerTokenizer
@@ -45,26 +48,35 @@ class OpenAIReply:
     id: str = ""
     created: int = 0
     cursors: dict[int, _Cursor] = field(default_factory=dict)
+    outputs: dict[int, ChatOutput] = field(default_factory=dict)  # chat choices read by call.shape
 
     def __post_init__(self):
         self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = self.created or int(time.time())
 
     # ---- logprobs ----------------------------------------------------------------------------
-    def _logprobs(self, prog: ItemProgress, start: int, end: int, text_offset: int = 0):
+    def _echo(self, prog: ItemProgress) -> str:
+        """Completions echo: the prompt text put before this choice's output ("" without echo)."""
+        texts = self.call.echo_texts
+        return "" if texts is None else texts[prog.item.index // self.call.n]
+
+    def _logprobs(self, prog: ItemProgress, start: int, end: int, text_offset: int = 0,
+                  with_prompt: bool = False):
+        """Output tokens [start, end) (text from text_offset of the output); `with_prompt`: the
+        echoed prompt's tokens before them."""
         if not self.call.logprobs:
             return None
-        ids = prog.output_ids[start:end]
-        lps = prog.output_logprobs[start:end]
-        texts = [self.tok.token_text(t) for t in ids]
+        ids, lps = prog.output_ids[start:end], prog.output_logprobs[start:end]
+        tops = prog.output_top_logprobs[start:end]
         if self.chat:
-            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")),
-                                 "top_logprobs": []} for s, lp in zip(texts, lps)]}
-        offsets, pos = [], text_offset
-        for s in texts:
-            offsets.append(pos)
-            pos += len(s)
-        return {"tokens": texts, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+            return chat_content(self.tok, ids, lps, tops)
+        build = CompletionLogprobs(self.tok, self.call.top_logprobs)
+        out = build.build(ids, lps, tops, len(self._echo(prog)) + text_offset)
+        if with_prompt and self.call.echo_texts is not None:
+            prompt = prog.item.input_ids
+            plps = prog.input_logprobs or [None] * len(prompt)
+            out = build.join(build.build(prompt, plps, prog.input_top_logprobs or [], 0), out)
+        return out
 
     # ---- whole replies -----------------------------------------------------------------------
     def usage(self, progs: list[ItemProgress]) -> dict:
@@ -77,12 +89,16 @@ class OpenAIReply:
 
     def _choice(self, prog: ItemProgress) -> dict:
         c: dict = {"index": prog.item.index}
-        if self.chat:
+        calls = False
+        if self.chat and not self.call.shape.plain:
+            c["message"] = ChatOutput(self.call.shape).message(prog.text)
+            calls = bool(c["message"].get("tool_calls"))
+        elif self.chat:
             c["message"] = {"role": "assistant", "content": prog.text}
         else:
-            c["text"] = prog.text
-        c["logprobs"] = self._logprobs(prog, 0, len(prog.output_ids))
-        c["finish_reason"] = finish_reason(prog)
+            c["text"] = self._echo(prog) + prog.text
+        c["logprobs"] = self._logprobs(prog, 0, len(prog.output_ids), with_prompt=True)
+        c["finish_reason"] = self._finish_reason(prog, calls)
         c["matched_stop"] = matched_stop(prog)
         return c
 
@@ -107,20 +123,50 @@ class OpenAIReply:
             return None
         text = prog.visible_text()
         delta = text[cur.chars:]
-        ntok = len(prog.output_ids) if delta or prog.finished else cur.tokens
-        if not delta and not prog.finished and cur.started:
+        shaped = None  # chat read by call.shape: the new reasoning / content / tool calls
+        if self.chat and not self.call.shape.plain:
+            shaped = self._chat_output(prog.item.index).delta(text, prog.finished)
+        new = bool(delta) if shaped is None else bool(shaped)
+        ntok = len(prog.output_ids) if new or prog.finished else cur.tokens
+        if not new and not prog.finished and cur.started:
             return None
         choice: dict = {"index": prog.item.index}
         if self.chat:
-            choice["delta"] = {"content": delta} if cur.started else {"role": "assistant", "content": delta}
+            d = {"content": delta} if shaped is None else shaped
+            choice["delta"] = d if cur.started else {"role": "assistant", "content": "", **d}
         else:
-            choice["text"] = delta
-        choice["logprobs"] = self._logprobs(prog, cur.tokens, ntok, cur.chars)
-        choice["finish_reason"] = finish_reason(prog)
+            choice["text"] = delta if cur.started else self._echo(prog) + delta
+        choice["logprobs"] = self._logprobs(prog, cur.tokens, ntok, cur.chars, with_prompt=not cur.started)
+        choice["finish_reason"] = self._finish_reason(
+            prog, shaped is not None and bool(self._chat_output(prog.item.index).ids))
         if prog.finished:
             choice["matched_stop"] = matched_stop(prog)
         cur.chars, cur.tokens, cur.started, cur.done = len(text), ntok, True, prog.finished
         return self._chunk([choice])
 
+    def _chat_output(self, index: int) -> ChatOutput:
+        return self.outputs.setdefault(index, ChatOutput(self.call.shape))
+
+    def _finish_reason(self, prog: ItemProgress, tool_calls: bool) -> str | None:
+        """OpenAI's "tool_calls" for an answer that stopped after calling tools (auto/required)."""
+        reason = finish_reason(prog)
+        if reason == "stop" and tool_calls and self.call.shape.tool_calls_finish:
+            return "tool_calls"
+        return reason
+
     def usage_chunk(self, progs: list[ItemProgress]) -> dict | None:
         return self._chunk([], self.usage(progs)) if self.call.include_usage else None
+
+    # ---- migration (server/resume.py) --------------------------------------------------------
+    def resume(self, progs) -> None:
+        """A continuation: its choice already streamed the replayed text and tokens elsewhere."""
+        for prog in progs:
+            if prog.item.resume is not None:
+                self.cursors[prog.item.index] = _Cursor(len(prog.visible_text()), len(prog.output_ids), True)
+                if self.chat and not self.call.shape.plain:  # its parts so far were sent elsewhere
+                    self._chat_output(prog.item.index).delta(prog.visible_text(), False)
+
+    def streamed_tokens(self, index: int) -> int:
+        """Output tokens whose text (and logprobs) this choice's chunks have carried so far."""
+        cur = self.cursors.get(index)
+        return cur.tokens if cur else 0

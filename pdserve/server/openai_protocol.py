@@ -3,26 +3,36 @@
 Sampling fields map onto SamplingParams (SGLang's extras top_k, min_p, stop_token_ids,
 ignore_eos, repetition_penalty too, vLLM's min_tokens); the PD fields and `rid` may ride in the
 same body. Unknown fields are ignored; a standard field asking for what this server does not do
-(structured output, tools, top logprobs, echo, suffix, best_of, ...) is a 400 naming it, never
-accepted and ignored (`refuse_unsupported`).
+(suffix, best_of, server/refused_fields.py, ...) is a 400 naming it, never accepted and ignored
+(`refuse_unsupported`). Structured outputs (OpenAI `response_format` json_object / json_schema,
+vLLM `structured_outputs` and `guided_*`, SGLang's `json_schema` / `regex` / `ebnf`) become the
+request's grammar, checked here (server/structured_outputs.py; a bad one is a 400).
+Logprobs: chat `logprobs` + `top_logprobs` (0..20), completions `logprobs` (0..20) and `echo`
+(the prompt back, with its tokens' logprobs when `logprobs` is set).
+Chat messages, tools and tool_choice: server/chat_request.py; generation_config defaults fill
+the sampling fields a body leaves unset (server/sampling_defaults.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..core.errors import BadRequest
+from ..core.logprobs import MAX_TOP_LOGPROBS, PromptLogprobs
 from ..core.sampling import SamplingParams, unsupported
+from .api_options import ApiOptions
+from .chat_output import ChatShape
+from .chat_request import parse_chat_request
+from .refused_fields import refuse_openai
 from .protocol import RequestItem, build_items, check_token_ids, is_int, opt_bool, opt_int, opt_str
+from .sampling_defaults import with_defaults
+from .structured_outputs import parse_structured, with_grammar
 from .tokenizer import ServerTokenizer
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos", "seed", "n",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
 RENAMED_SAMPLING_KEYS = {"min_tokens": "min_new_tokens"}  # OpenAI/vLLM name -> SamplingParams name
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-# structured output (vLLM's guided_* and structured_outputs, SGLang's OpenAI extras): not done here
-STRUCTURED_KEYS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                   "json_schema", "regex", "ebnf", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -33,20 +43,27 @@ class OpenAICall:
     include_usage: bool
     logprobs: bool
     model: str | None
+    top_logprobs: int = 0  # alternatives per returned logprob (chat top_logprobs, completions logprobs)
+    echo_texts: tuple[str, ...] | None = None  # completions echo: each prompt's text, put before its output
+    shape: ChatShape = ChatShape()  # chat: how answers are read back (reasoning, tool calls)
 
 
 def _sampling(body: dict, max_tokens: int | None, default_max: int | None,
-              max_name: str = "max_tokens") -> tuple[SamplingParams, bool]:
+              max_name: str = "max_tokens", defaults: dict | None = None) -> tuple[SamplingParams, bool]:
+    """`defaults`: generation_config's values for the fields the body leaves unset."""
+    defaults = defaults or {}
     raw = {k: body[k] for k in SAMPLING_KEYS if body.get(k) is not None}
     raw.update({ours: body[k] for k, ours in RENAMED_SAMPLING_KEYS.items() if body.get(k) is not None})
+    raw = with_defaults(raw, {k: v for k, v in defaults.items() if k != "max_new_tokens"})
     given = max_tokens is not None
-    mx = max_tokens if given else default_max
+    mx = max_tokens if given else defaults.get("max_new_tokens", default_max)
     if mx is not None:
         raw["max_new_tokens"] = mx
     elif "max_new_tokens" not in raw:
         raw["max_new_tokens"] = 1 << 20  # "as many as fit": cut to the context by Generator.check
     names = {ours: k for k, ours in RENAMED_SAMPLING_KEYS.items()} | {"max_new_tokens": max_name}
-    return SamplingParams.from_json(raw, prefix="", names=names), given
+    sampling = SamplingParams.from_json(raw, prefix="", names=names)
+    return with_grammar(sampling, parse_structured(body)), given  # structured_outputs.py
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
@@ -64,55 +81,34 @@ def refuse_unsupported(body: dict, chat: bool) -> None:
     """400 for every standard field whose value asks for what this server does not do; the
     defaults and the no-op values (response_format text, tools [], tool_choice "none",
     top_logprobs 0, best_of = n, ...) are accepted."""
-    for key in STRUCTURED_KEYS:
-        if body.get(key) is not None:
-            raise unsupported(key, " (no structured output / constrained decoding)")
-    rf = body.get("response_format")
-    if rf is not None:
-        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
-            raise BadRequest("response_format must be an object with a string type")
-        if rf["type"] != "text":
-            raise unsupported(f"response_format type {rf['type']!r}", " (only \"text\"; no structured output)")
     best_of = opt_int(body, "best_of", 1)
     n = opt_int(body, "n", 1)
     if best_of is not None and best_of != (n or 1):
         raise unsupported(f"best_of={best_of}", " (only best_of = n: every sample is returned)")
-    if chat:
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise BadRequest("tools must be a list")
-        if tools:
-            raise unsupported("tools", " (no tool calling)")
-        for key in ("tool_choice", "function_call"):
-            choice = body.get(key)
-            if choice is not None and choice != "none":
-                raise unsupported(f"{key}={choice!r}", " (no tool calling; only \"none\")")
-        if body.get("functions"):
-            raise unsupported("functions", " (no tool calling)")
+    refuse_openai(body)
+    if chat:  # tools and tool_choice: server/tools.py
         if body.get("chat_template") is not None:
             raise unsupported("chat_template", " per request (the model's own template is used; "
                               "chat_template_kwargs are passed to it)")
-        if (opt_int(body, "top_logprobs", 0, 20) or 0) > 0:
-            raise unsupported("top_logprobs > 0", " (only the sampled tokens' logprobs are returned)")
+        if (opt_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0) > 0 and not opt_bool(body, "logprobs"):
+            raise BadRequest("top_logprobs needs logprobs: true")
     else:
-        if opt_bool(body, "echo"):
-            raise unsupported("echo")
         suffix = opt_str(body, "suffix")
         if suffix:
             raise unsupported("suffix", " (no insertion)")
-        if (opt_int(body, "logprobs", 0, 20) or 0) > 0:
-            raise unsupported("logprobs > 0", " (top alternatives are not returned; logprobs=0 gives "
-                              "the sampled tokens' logprobs)")
 
 
 def _call(body: dict, prompts: list[list[int]], sampling: SamplingParams, given: bool,
-          logprobs: bool) -> OpenAICall:
-    items = build_items(body, prompts, [sampling] * len(prompts), [given] * len(prompts), logprobs)
+          logprobs: bool, top: int = 0, echo_texts: tuple[str, ...] | None = None) -> OpenAICall:
+    prompt_lp = PromptLogprobs.IN_REPLY if echo_texts is not None and logprobs else PromptLogprobs.NONE
+    items = build_items(body, prompts, [sampling] * len(prompts), [given] * len(prompts), logprobs, top,
+                        prompt_lp)
     stream, include_usage = _stream_flags(body)
-    return OpenAICall(items, sampling.n, stream, include_usage, logprobs, opt_str(body, "model"))
+    return OpenAICall(items, sampling.n, stream, include_usage, logprobs, opt_str(body, "model"), top,
+                      echo_texts)
 
 
-def parse_completion(body: dict, tok: ServerTokenizer) -> OpenAICall:
+def parse_completion(body: dict, tok: ServerTokenizer, opts: ApiOptions | None = None) -> OpenAICall:
     p = body.get("prompt")
     if isinstance(p, str):
         texts: list | None = [p]
@@ -133,53 +129,21 @@ def parse_completion(body: dict, tok: ServerTokenizer) -> OpenAICall:
                          "or list of token id lists")
     refuse_unsupported(body, chat=False)
     max_tokens = opt_int(body, "max_tokens", 0)
-    sampling, given = _sampling(body, max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
-    logprobs = opt_int(body, "logprobs", 0, 20)
-    return _call(body, prompts, sampling, given, logprobs is not None)
+    sampling, given = _sampling(body, max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS,
+                                defaults=(opts or ApiOptions()).sampling_defaults)
+    logprobs = opt_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    echo = None
+    if opt_bool(body, "echo"):  # the prompt as sent; token-id prompts decoded (special tokens kept)
+        echo = tuple(texts) if texts is not None else tuple(tok.decode(p, skip_special_tokens=False)
+                                                            for p in prompts)
+    return _call(body, prompts, sampling, given, logprobs is not None, logprobs or 0, echo)
 
 
-def _content_text(content, k: int) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise BadRequest(f"messages[{k}].content: only text parts are supported")
-            parts.append(part["text"])
-        return "\n".join(parts)
-    raise BadRequest(f"messages[{k}].content must be a string or a list of parts")
-
-
-def chat_messages(body: dict) -> list[dict]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise BadRequest("messages must be a non-empty list")
-    out = []
-    for k, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest(f"messages[{k}] must be an object with a string role")
-        msg = dict(m)
-        msg["content"] = _content_text(m.get("content"), k)
-        out.append(msg)
-    return out
-
-
-def parse_chat(body: dict, tok: ServerTokenizer) -> OpenAICall:
-    messages = chat_messages(body)
+def parse_chat(body: dict, tok: ServerTokenizer, opts: ApiOptions | None = None) -> OpenAICall:
+    opts = opts or ApiOptions()
+    chat = parse_chat_request(body, opts)
     refuse_unsupported(body, chat=True)
-    extra = body.get("chat_template_kwargs")
-    if extra is not None and not isinstance(extra, dict):
-        raise BadRequest("chat_template_kwargs must be an object")
-    cont = opt_bool(body, "continue_final_message")
-    add_gen = opt_bool(body, "add_generation_prompt", default=not cont)
-    text = tok.apply_chat_template(messages, add_gen and not cont, None, extra)
-    if cont:  # end the prompt right after the last message's content
-        last = messages[-1]["content"]
-        cut = text.rfind(last) if last else -1
-        if cut >= 0:
-            text = text[:cut + len(last)]
-    prompt = tok.encode(text, add_special_tokens=False)
+    prompt = tok.encode(chat.prompt_text(body, tok), add_special_tokens=False)
     if not prompt:
         raise BadRequest("the chat prompt is empty")
     max_name = "max_completion_tokens"
@@ -187,6 +151,9 @@ def parse_chat(body: dict, tok: ServerTokenizer) -> OpenAICall:
     if max_tokens is None:
         max_name = "max_tokens"
         max_tokens = opt_int(body, max_name, 0)
-    sampling, given = _sampling(body, max_tokens, None, max_name)
+    sampling, given = _sampling(body, max_tokens, None, max_name, opts.sampling_defaults)
+    sampling = chat.constrain(sampling)
     logprobs = opt_bool(body, "logprobs")
-    return _call(body, [prompt], sampling, given, logprobs)
+    top = opt_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+    call = _call(body, [prompt], sampling, given, logprobs, top)
+    return replace(call, shape=chat.shape_for(sampling))

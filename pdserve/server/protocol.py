@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import BadRequest
+from ..core.logprobs import PromptLogprobs
 from ..core.messages import PDParams
 from ..core.pd_vocab import DEFAULT_BOOTSTRAP_PORT, MAX_ROOM
 from ..core.sampling import SamplingParams
+from .resume import Resume, check_resumable, continue_sampling, parse_resume
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,9 @@ class RequestItem:
     return_logprob: bool = False
     routed_dp_rank: int | None = None
     pd: PDParams = PDParams()
+    top_logprobs: int = 0  # alternatives with every returned logprob
+    prompt_logprobs: PromptLogprobs = PromptLogprobs.WITH_RETURN_LOGPROB
+    resume: Resume | None = None  # a migrated answer: input_ids end with resume.ids (server/resume.py)
 
 
 def is_int(v: Any) -> bool:
@@ -140,7 +145,8 @@ def check_token_ids(ids: Any, key: str) -> list[int]:
 
 
 def build_items(body: dict, prompts: list[list[int]], sampling: list[SamplingParams],
-                max_new_given: list[bool], return_logprob: bool) -> list[RequestItem]:
+                max_new_given: list[bool], return_logprob: bool, top_logprobs: int = 0,
+                prompt_logprobs: PromptLogprobs = PromptLogprobs.WITH_RETURN_LOGPROB) -> list[RequestItem]:
     """Expand prompts x n into items, prompt-major, with rids and PD fields from the body."""
     n = sampling[0].n
     if any(s.n != n for s in sampling):
@@ -149,6 +155,11 @@ def build_items(body: dict, prompts: list[list[int]], sampling: list[SamplingPar
     ids_ = rids(body, len(prompts), n)
     pds = pd_fields(body, total)
     routed = routed_ranks(body, total)
+    resume = parse_resume(body)
+    if resume is not None:
+        check_resumable(len(prompts), n)
+        prompts = [list(prompts[0]) + list(resume.ids)]
+        sampling = [continue_sampling(sampling[0], resume)]
     items = []
     for i, prompt in enumerate(prompts):
         for j in range(n):
@@ -157,5 +168,5 @@ def build_items(body: dict, prompts: list[list[int]], sampling: list[SamplingPar
             if j and sp.seed is not None:
                 sp = sp.replace(seed=(sp.seed + j) % MAX_ROOM)
             items.append(RequestItem(k, ids_[k], prompt, sp, max_new_given[i], return_logprob,
-                                     routed[k], pds[k]))
+                                     routed[k], pds[k], top_logprobs, prompt_logprobs, resume))
     return items

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+from ..core.logprobs import TopLogprobs
 from ..core.messages import ErrorInfo, TokenOutput
 from ..core.timeline import Stage, build_timeline
 from .detokenizer import IncrementalDetokenizer
@@ -29,15 +30,18 @@ class ItemProgress:
 
     def __init__(self, item: RequestItem, tokenizer: ServerTokenizer, arrival: float | None = None):
         self.item = item
-        self.detok = IncrementalDetokenizer(tokenizer, item.input_ids)
+        self.resumed = len(item.resume.ids) if item.resume else 0  # output ids generated before a migration
+        self.detok = IncrementalDetokenizer(tokenizer, item.input_ids[:len(item.input_ids) - self.resumed])
         self.stops = item.sampling.stop
         self.max_stop = max((len(s) for s in self.stops), default=0)
         self.arrival = time.monotonic() if arrival is None else arrival
         self.text = ""
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[TopLogprobs] = []  # per output token, when asked
         self.input_logprobs: list[float | None] | None = None
-        self.prompt_tokens = len(item.input_ids)
+        self.input_top_logprobs: list[TopLogprobs | None] | None = None
+        self.prompt_tokens = len(item.input_ids) - self.resumed
         self.cached_tokens = 0  # prompt tokens reused from a prefix cache (the worker says)
         self.finish_reason: dict | None = None
         self.error: ErrorInfo | None = None
@@ -48,6 +52,15 @@ class ItemProgress:
         self.last_token_at: float | None = None
         self.stages: dict[str, float] = {Stage.ARRIVAL.value: time.time()}  # core.timeline, wall clock
         self.facts: dict = {}  # dp_rank, dispatch_reason: what the front decided
+        if self.resumed:
+            self._replay(item.input_ids[len(item.input_ids) - self.resumed:])
+
+    def _replay(self, ids: list[int]) -> None:
+        """A continuation (server/resume.py): the ids streamed before the migration, folded in as
+        if generated here, so text, held-back stop prefixes and usage go on from the same point."""
+        for tid in ids:  # a stop string cannot match: the old server would have ended the answer
+            self.output_ids.append(tid)
+            self._add_text(self.detok.add(tid))
 
     def dispatched(self, dp_rank: int, reason: str) -> None:
         self.stages[Stage.DISPATCH.value] = time.time()
@@ -84,11 +97,14 @@ class ItemProgress:
                 self.stages[Stage.FIRST_TOKEN.value] = time.time()
             self.last_token_at = now
         if out.prompt_tokens:
-            self.prompt_tokens = out.prompt_tokens
+            self.prompt_tokens = out.prompt_tokens - self.resumed
         if out.cached_tokens:
-            self.cached_tokens = out.cached_tokens
+            # a continuation's cached prefix may reach into its resumed ids: those are output
+            self.cached_tokens = min(out.cached_tokens, self.prompt_tokens) if self.resumed else out.cached_tokens
         if out.input_logprobs is not None:
             self.input_logprobs = list(out.input_logprobs)
+        if out.input_top_logprobs is not None:
+            self.input_top_logprobs = list(out.input_top_logprobs)
         if out.error is not None:
             self.error = out.error
             self._finish(out.finish_reason or {"type": "abort", "message": out.error.message})
@@ -99,6 +115,8 @@ class ItemProgress:
             self.output_ids.append(tid)
             if out.token_logprobs is not None and k < len(out.token_logprobs):
                 self.output_logprobs.append(out.token_logprobs[k])
+            if out.top_logprobs is not None and k < len(out.top_logprobs):
+                self.output_top_logprobs.append(out.top_logprobs[k])
             if isinstance(matched, int) and k == len(ids) - 1 and tid == matched:
                 break  # a matched stop token is reported but not shown as text
             if self._add_text(self.detok.add(tid)):

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from ..core.errors import PDServeError
 from ..core.messages import GenerateReq, TokenOutput
-from ..engine.sequence import EngineRequest
-from .role import WorkerRole, error_output
+from .role import WorkerRole, engine_request, error_output
 
 
 class ColocatedRole(WorkerRole):
     def on_generate(self, req: GenerateReq) -> list[TokenOutput]:
         try:
-            self.engine.add(EngineRequest(req.rid, req.input_ids, req.sampling, req.return_logprob))
+            self.engine.add(engine_request(req))
         except PDServeError as e:
             return [error_output(req.rid, e.status, e.message, e.type)]
         return []

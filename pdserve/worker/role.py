@@ -14,7 +14,8 @@ from ..core.config import ServerConfig
 from ..core.envs import Envs
 from ..core.messages import ErrorInfo, GenerateReq, TokenOutput
 from ..engine.engine import Engine
-from ..engine.sequence import StepOutput
+from ..core.sampling import SamplingParams
+from ..engine.sequence import EngineRequest, StepOutput
 
 
 @dataclass
@@ -88,14 +89,23 @@ def to_token_output(o: StepOutput, meta: dict | None = None,
         rid=o.rid,
         token_ids=[] if o.token_id is None else [o.token_id],
         token_logprobs=None if o.logprob is None else [o.logprob],
+        top_logprobs=None if o.top_logprobs is None else [o.top_logprobs],
         finished=o.finished,
         finish_reason=o.finish_reason,
         prompt_tokens=o.prompt_tokens,
         cached_tokens=o.cached_tokens,
         input_logprobs=o.input_logprobs,
+        input_top_logprobs=o.input_top_logprobs,
         meta=meta or {},
         timeline=timeline or {},
     )
+
+
+def engine_request(req: GenerateReq, sampling: SamplingParams | None = None,
+                   hold_kv: bool = False) -> EngineRequest:
+    """The engine's view of a front request (its own sampling params, or `sampling`)."""
+    return EngineRequest(req.rid, req.input_ids, sampling or req.sampling, req.return_logprob, hold_kv,
+                         req.top_logprobs, req.prompt_logprobs)
 
 
 def error_output(rid: str, status: int, message: str, type_: str = "invalid_request_error",

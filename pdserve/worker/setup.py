@@ -13,16 +13,23 @@ from ..engine.cpu_kernels import PagedAttentionKernel, load_paged_attention
 from ..engine.engine import Engine, EngineConfig
 from ..engine.kv_pool import KVPool
 from ..engine.loader import load_model
+from ..grammar.matcher import Matchers
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
-def pick_dtype(name: str, device: str) -> torch.dtype:
+def pick_dtype(name: str, device: str, checkpoint: str | None = None) -> torch.dtype:
+    """--dtype, or for auto the checkpoint's torch_dtype where it is bfloat16 or float16; a
+    float32 (or unstated) checkpoint is served in bfloat16 where this device has it, as vLLM
+    and SGLang serve float32 checkpoints in half precision (--dtype float32 keeps float32)."""
     if name != "auto":
         return DTYPES[name]
-    if device == "cuda" or torch.backends.mkldnn.is_available():
-        return torch.bfloat16
-    return torch.float32
+    half_ok = device == "cuda" or torch.backends.mkldnn.is_available()
+    if checkpoint == "float16":
+        return torch.float16
+    if checkpoint == "bfloat16" and device == "cpu" and not half_ok:
+        return torch.float32
+    return torch.bfloat16 if half_ok else torch.float32
 
 
 def pick_threads(cfg: ServerConfig, dp_rank: int = 0) -> int:
@@ -73,17 +80,17 @@ def fused_ops(cfg: ServerConfig, dtype: torch.dtype, cache_dir: str):
     return None if where is None else load_fused_ops(where)
 
 
-def build_engine(cfg: ServerConfig, model_dir: str, cache_dir: str = "", dp_rank: int = 0):
-    """-> (engine, model_config, dtype); cache_dir: where built kernels are kept (as for models)."""
+def build_engine(cfg: ServerConfig, model_dir: str, cache_dir: str = "", dp_rank: int = 0,
+                 allow_long_context: bool = False):
+    """-> (engine, model_config, dtype); cache_dir: where built kernels are kept (as for models);
+    allow_long_context: --context-length may exceed the model's (Envs.allow_long_context)."""
     torch.set_num_threads(pick_threads(cfg, dp_rank))
     device = cfg.device
-    dtype = pick_dtype(cfg.dtype, device)
-    from ..model_files.hf_config import ModelConfig
+    from ..model_files.hf_config import ModelConfig, context_limit
 
     mcfg = ModelConfig.from_dir(model_dir)
-    max_context = cfg.context_length or mcfg.max_position_embeddings
-    if mcfg.sliding_window:  # attention here is always full: never go past the window
-        max_context = min(max_context, mcfg.sliding_window)
+    dtype = pick_dtype(cfg.dtype, device, mcfg.torch_dtype)
+    max_context = context_limit(mcfg, cfg.context_length, allow_long_context)
     model, mcfg = load_model(model_dir, dtype, device, max_positions=max_context)
     model.use_fused_ops(fused_ops(cfg, dtype, cache_dir))
     per_page = KVPool.bytes_per_page(mcfg.num_layers, cfg.page_size, mcfg.num_kv_heads,
@@ -100,6 +107,16 @@ def build_engine(cfg: ServerConfig, model_dir: str, cache_dir: str = "", dp_rank
         max_context=max_context,
         eos_token_ids=tuple(mcfg.eos_token_ids),
         vocab_size=mcfg.vocab_size,
-        prefix_cache=not cfg.disable_prefix_cache,
+        # longrope / dynamic NTK: a page's keys depend on its sequence's length, not shareable
+        prefix_cache=not cfg.disable_prefix_cache and not model.rope_depends_on_length,
     )
-    return Engine(model, pool, ecfg, device, attention_kernel(cfg, dtype, cache_dir)), mcfg, dtype
+    engine = Engine(model, pool, ecfg, device, attention_kernel(cfg, dtype, cache_dir),
+                    grammar_matchers(model_dir, mcfg.vocab_size, ecfg.eos_token_ids, torch.get_num_threads()))
+    return engine, mcfg, dtype
+
+
+def grammar_matchers(model_dir: str, vocab_size: int, eos: tuple[int, ...], threads: int) -> Matchers | None:
+    """Structured outputs over the model's tokenizer.json (built on the first grammar request);
+    None where the directory has none (such a request is then a 400)."""
+    path = os.path.join(model_dir, "tokenizer.json")
+    return Matchers(path, vocab_size, eos, threads) if os.path.isfile(path) else None

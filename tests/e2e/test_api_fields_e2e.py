@@ -196,28 +196,15 @@ def test_pd_equals_colocated_for_each_field(servers, tok, hf, route):
 COMP, CHAT = "/v1/completions", "/v1/chat/completions"
 BOTH = (COMP, CHAT)
 REFUSED = [  # (routes, extra fields, what the 400 names)
-    (BOTH, {"response_format": {"type": "json_object"}}, "response_format"),
-    (BOTH, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-     "response_format"),
-    ((CHAT,), {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ((CHAT,), {"tool_choice": "auto"}, "tool_choice"),
-    ((CHAT,), {"tool_choice": "required"}, "tool_choice"),
-    ((CHAT,), {"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+    # structured outputs work (tests/e2e/test_structured_outputs_e2e.py) except structural tags
+    (BOTH, {"response_format": {"type": "structural_tag"}}, "structural_tag"),
+    # tools / tool_choice: tests/e2e/test_tools_e2e.py, tests/unit/test_tools_api.py
     ((CHAT,), {"chat_template": "{{ messages[0].content }}"}, "chat_template"),
-    ((COMP,), {"logprobs": 1}, "logprobs"),
     ((COMP,), {"suffix": "!"}, "suffix"),
-    ((COMP,), {"echo": True}, "echo"),
     (BOTH, {"best_of": 2}, "best_of"),
     (BOTH, {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "continuous_usage_stats"),
-    (BOTH, {"guided_json": {"type": "object"}}, "guided_json"),
-    (BOTH, {"guided_regex": "[a-z]+"}, "guided_regex"),
-    (BOTH, {"guided_choice": ["yes", "no"]}, "guided_choice"),
-    (BOTH, {"guided_grammar": "root ::= \"a\""}, "guided_grammar"),
-    (BOTH, {"structured_outputs": {"choice": ["yes", "no"]}}, "structured_outputs"),
-    (("/generate",), {"sampling_params": {"json_schema": "{\"type\": \"object\"}"}}, "sampling_params.json_schema"),
-    (("/generate",), {"sampling_params": {"regex": "[a-z]+"}}, "sampling_params.regex"),
-    (("/generate",), {"sampling_params": {"ebnf": "root ::= \"a\""}}, "sampling_params.ebnf"),
-    (("/generate",), {"return_logprob": True, "top_logprobs_num": 2}, "top_logprobs_num"),
+    (BOTH, {"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+    (("/generate",), {"sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag"),
 ]
 BASE = {"/generate": {"text": "hi"}, COMP: {"prompt": "hi", "max_tokens": 4}, CHAT: {"messages": MSGS, "max_tokens": 4}}
 
@@ -244,11 +231,11 @@ def test_refusals_on_both_pd_legs_and_bad_values(servers, model_dir):
     """The PD legs refuse the same way (same front), an out-of-vocabulary logit_bias id is
     refused by the engine on every route and on both legs, and nothing is left in flight."""
     P, D, C = servers["p"], servers["d"], servers["colo"]
-    body = pd_body({"prompt": "hi", "max_tokens": 4, "response_format": {"type": "json_object"}}, P,
+    body = pd_body({"prompt": "hi", "max_tokens": 4, "response_format": {"type": "structural_tag"}}, P,
                    random.getrandbits(63))
     rp, rd = run(post_both(P, D, body, path=COMP))
-    assert_refused(rp, "response_format")
-    assert_refused(rd, "response_format")
+    assert_refused(rp, "structural_tag")
+    assert_refused(rd, "structural_tag")
     vocab = C.info()["vocab_size"]
     big = {str(vocab): 1.0}
     for route, b in ((COMP, {"logit_bias": big}), (CHAT, {"logit_bias": big}),

@@ -58,7 +58,7 @@ COMPLETIONS = [
     {}, {"prompt": ""}, {"prompt": []}, {"prompt": [1, "a"]}, {"prompt": [[]]}, {"prompt": 5}, {"prompt": {"a": 1}},
     {"prompt": "hi", "max_tokens": -1}, {"prompt": "hi", "max_tokens": "5"}, {"prompt": "hi", "n": 0},
     {"prompt": "hi", "n": 65},
-    {"prompt": "hi", "logprobs": 50}, {"prompt": "hi", "echo": True}, {"prompt": "hi", "stream_options": "x"},
+    {"prompt": "hi", "logprobs": 50}, {"prompt": "hi", "echo": "yes"}, {"prompt": "hi", "stream_options": "x"},
     {"prompt": "hi", "model": 5}, {"prompt": "hi", "temperature": "x"}, {"prompt": "hi", "stop": 5},
     {"prompt": "hello " * 400}, {"prompt": [10 ** 6]}, {"prompt": "hi", "max_tokens": 600},
 ]

@@ -39,7 +39,7 @@ def servers(tmp_path_factory):
 
 @pytest.mark.parametrize("path,body", [
     ("/generate", {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "Name three colors."}],
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name three colors."}],
                               "max_tokens": 24, "temperature": 0}),
 ])
 def test_default_model_pd_equals_colocated(servers, path, body):

@@ -96,7 +96,7 @@ def test_openai_usage_reports_cached_tokens(servers):
     on, off = servers["on"], servers["off"]
     flush(on)
     prompt = "The quick brown fox jumps over the lazy dog, " * 3
-    body = {"model": "x", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0}
     first = httpx.post(on.url + "/v1/completions", json=body, timeout=60).json()
     assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     # round robin over 2 ranks: the third request lands where the first ran
@@ -107,17 +107,17 @@ def test_openai_usage_reports_cached_tokens(servers):
     assert third["choices"][0]["text"] == first["choices"][0]["text"]
     httpx.post(on.url + "/v1/completions", json={**body, "prompt": "x"}, timeout=60)
     stream = httpx.post(on.url + "/v1/chat/completions", timeout=60, json={
-        "model": "x", "messages": [{"role": "user", "content": prompt}], "max_tokens": 6, "temperature": 0,
+        "messages": [{"role": "user", "content": prompt}], "max_tokens": 6, "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True}})
     chunks = [json.loads(line[6:]) for line in stream.text.splitlines()
               if line.startswith("data: {")]
     usage = chunks[-1]["usage"]
     assert usage["prompt_tokens_details"] == {"cached_tokens": 0}  # a chat prompt: not seen yet
     chat = httpx.post(on.url + "/v1/chat/completions", timeout=60, json={
-        "model": "x", "messages": [{"role": "user", "content": prompt}], "max_tokens": 6, "temperature": 0}).json()
+        "messages": [{"role": "user", "content": prompt}], "max_tokens": 6, "temperature": 0}).json()
     assert chat["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the other rank
     again = httpx.post(on.url + "/v1/chat/completions", timeout=60, json={
-        "model": "x", "messages": [{"role": "user", "content": prompt}], "max_tokens": 6, "temperature": 0}).json()
+        "messages": [{"role": "user", "content": prompt}], "max_tokens": 6, "temperature": 0}).json()
     m = again["usage"]["prompt_tokens"]
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (m - 1) // PAGE * PAGE
     plain = httpx.post(off.url + "/v1/completions", json=body, timeout=60).json()

@@ -380,19 +380,20 @@ def test_logprobs(srv, tok):
 def test_openai_client(srv, tok, model_dir):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    name = os.path.basename(model_dir)  # the served model name (--served-model-name's default)
     ids, out, _ = expected(tok, "Hello world", 6)
-    comp = client.completions.create(model="m", prompt="Hello world", max_tokens=6, temperature=0)
+    comp = client.completions.create(model=name, prompt="Hello world", max_tokens=6, temperature=0)
     assert comp.choices[0].text == tok.decode(out) and comp.choices[0].finish_reason == "length"
     assert (comp.usage.prompt_tokens, comp.usage.completion_tokens) == (len(ids), 6)
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     chat_ids = tok.encode_chat(msgs)
-    chat = client.chat.completions.create(model="m", messages=msgs, max_tokens=8, n=2, seed=1)
+    chat = client.chat.completions.create(model=name, messages=msgs, max_tokens=8, n=2, seed=1)
     assert len(chat.choices) == 2 and chat.choices[0].message.role == "assistant"
     want = tok.decode(expected(tok, chat_ids, 8)[1])
     assert chat.choices[0].message.content == want
     assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (len(chat_ids), 16)
     parts, usage = [], None
-    for chunk in client.chat.completions.create(model="m", messages=msgs, max_tokens=8, stream=True,
+    for chunk in client.chat.completions.create(model=name, messages=msgs, max_tokens=8, stream=True,
                                                 stream_options={"include_usage": True}):
         if chunk.choices:
             parts.append(chunk.choices[0].delta.content or "")
@@ -400,11 +401,11 @@ def test_openai_client(srv, tok, model_dir):
             usage = chunk.usage
     assert "".join(parts) == want and usage.completion_tokens == 8
     text = "".join(c.choices[0].text for c in client.completions.create(
-        model="m", prompt="Hello world", max_tokens=6, stream=True))
+        model=name, prompt="Hello world", max_tokens=6, stream=True))
     assert text == tok.decode(out)
     assert client.models.list().data[0].id == os.path.basename(model_dir)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="m", prompt="Hello world", max_tokens=10**6)
+        client.completions.create(model=name, prompt="Hello world", max_tokens=10**6)
 
 
 BAD_REQUESTS = [
@@ -432,17 +433,22 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 300}, "context"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": "x"}, "temperature"),
     # fields this server does not implement: refused naming the field, never accepted and ignored
-    ("/v1/completions", {"prompt": "x", "logprobs": 1}, "logprobs > 0 is not supported"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs=21 is out of range"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix is not supported"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of=3 is not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}},
-     "response_format type 'json_object' is not supported"),
+                              "response_format": {"type": "structural_tag"}},
+     "response_format type 'structural_tag' is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "guided_regex": "(x"},
+     "guided_regex is invalid"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-     "tools is not supported"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3, "logprobs": True},
-     "top_logprobs > 0 is not supported"),
-    ("/generate", {"text": "a", "sampling_params": {"regex": "a+"}}, "sampling_params.regex is not supported"),
+     "tools[0] must be"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "role 'robot'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
+     "top_logprobs needs logprobs: true"),
+    ("/generate", {"text": "a", "sampling_params": {"structural_tag": "{}"}},
+     "sampling_params.structural_tag is not supported"),
+    ("/generate", {"text": "a", "sampling_params": {"regex": "(a"}}, "sampling_params.regex is invalid"),
     ("/generate", {"text": "a", "sampling_params": {"presence_penalty": 5}}, "presence_penalty"),
 ]
 
@@ -601,7 +607,8 @@ def test_api_key(make_server):
     assert s.post("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}}, headers=ok).status_code == 200
     openai = pytest.importorskip("openai")
     good = openai.OpenAI(base_url=s.url + "/v1", api_key="sekret", max_retries=0)
-    assert good.completions.create(model="m", prompt="x", max_tokens=2).usage.completion_tokens == 2
+    name = good.models.list().data[0].id
+    assert good.completions.create(model=name, prompt="x", max_tokens=2).usage.completion_tokens == 2
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=s.url + "/v1", api_key="bad", max_retries=0).completions.create(
             model="m", prompt="x", max_tokens=2)

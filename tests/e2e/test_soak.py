@@ -80,7 +80,7 @@ async def one(client: httpx.AsyncClient, url: str, rng: random.Random) -> str:
     body = {"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
             "stream": stream}
     if rng.random() < 0.5:  # the OpenAI route too
-        body = {"model": "x", "prompt": text, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+        body = {"prompt": text, "max_tokens": n, "temperature": 0, "ignore_eos": True,
                 "stream": stream}
 
     async def call():

@@ -127,7 +127,7 @@ def test_sigterm_stops_every_child(tiny, start_up):
     assert up.proc.poll() is None, up.output()
     assert len(marked_pids(up.token)) >= 1 + 1 + 2 + 3  # up, router, prefill front + 1, decode front + 2
     r = httpx.post(up.url + "/v1/chat/completions", timeout=60, json={
-        "model": "default", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]})
+        "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
     up.proc.send_signal(signal.SIGTERM)
     assert up.wait(60) == 0, up.output()

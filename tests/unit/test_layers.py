@@ -21,8 +21,9 @@ FORBIDDEN = {
     "server": {"engine", "worker", "router", "transfer"},
     "router": {"engine", "worker", "server", "transfer", "disagg"},
     "model_files": {"engine", "worker", "server", "router", "transfer", "disagg"},
+    "grammar": {"engine", "worker", "server", "router", "transfer", "disagg", "bench"},
 }
-NO_TORCH = {"core", "transfer", "disagg", "server", "router", "model_files"}
+NO_TORCH = {"core", "transfer", "disagg", "server", "router", "model_files", "grammar"}
 
 
 def imports_of(path: Path) -> list[tuple[str, int]]:

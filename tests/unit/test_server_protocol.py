@@ -148,7 +148,9 @@ def test_continue_final_message(tok):
     ("completion", {"prompt": "x", "temperature": -1}, "temperature"),
     ("completion", {"prompt": "x", "n": 0}, "n="),
     ("completion", {"prompt": "x", "logprobs": "x"}, "logprobs"),
-    ("completion", {"prompt": "x", "echo": True}, "echo"),
+    ("completion", {"prompt": "x", "echo": 1}, "echo must be a boolean"),
+    ("completion", {"prompt": "x", "logprobs": 21}, "logprobs=21 is out of range"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs needs logprobs"),
     ("completion", {"prompt": "x", "stream_options": 3}, "stream_options"),
     ("completion", {"prompt": "x", "stop": [1]}, "stop"),
     ("chat", {}, "messages must be"),
@@ -181,33 +183,19 @@ def test_bad_openai_bodies(tok, route, body, match):
 
 MSGS = [{"role": "user", "content": "x"}]
 UNSUPPORTED = [  # (route, extra body fields, the field the 400 names)
-    ("both", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("both", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-     "response_format"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ("chat", {"tool_choice": "auto"}, "tool_choice"),
-    ("chat", {"tool_choice": "required"}, "tool_choice"),
-    ("chat", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    # structured outputs work (tests/unit/test_structured_outputs.py) except structural tags
+    ("both", {"response_format": {"type": "structural_tag"}}, "structural_tag"),
+    ("both", {"structural_tag": "{}"}, "structural_tag"),
+    # tools / tool_choice: tests/unit/test_tools_api.py
     ("chat", {"functions": [{"name": "f"}]}, "functions"),
     ("chat", {"function_call": "auto"}, "function_call"),
-    ("chat", {"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
     ("chat", {"chat_template": "{{ messages }}"}, "chat_template"),
-    ("completion", {"logprobs": 1}, "logprobs"),
-    ("completion", {"logprobs": 5}, "logprobs"),
     ("completion", {"suffix": " end"}, "suffix"),
-    ("completion", {"echo": True}, "echo"),
     ("both", {"best_of": 2}, "best_of"),
     ("both", {"n": 2, "best_of": 3}, "best_of"),
     ("both", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),
-    ("both", {"guided_json": {"type": "object"}}, "guided_json"),
-    ("both", {"guided_regex": "a+"}, "guided_regex"),
-    ("both", {"guided_choice": ["a", "b"]}, "guided_choice"),
-    ("both", {"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
-    ("both", {"structured_outputs": {"json": {}}}, "structured_outputs"),
-    ("both", {"json_schema": "{}"}, "json_schema"),
-    ("both", {"regex": "a+"}, "regex"),
-    ("both", {"ebnf": "root ::= 'a'"}, "ebnf"),
+    ("both", {"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
     ("both", {"min_tokens": 2, "max_tokens": 8, "stop": ["x"]}, "min_tokens together with stop"),
 ]
 
@@ -245,12 +233,14 @@ def test_native_sampling_params_penalties_and_refusals(tok):
     assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.min_new_tokens, sp.logit_bias) == \
         (1.5, 0.25, 1.1, 4, ((3, 10.0),))
     assert sp.processes_logits and not parse_generate({"text": "a"}, tok).items[0].sampling.processes_logits
-    for key, val in (("json_schema", "{}"), ("regex", "a"), ("ebnf", "x"), ("structural_tag", "{}"),
-                     ("stop_regex", "a+")):
+    for key, val in (("structural_tag", "{}"), ("stop_regex", "a+")):  # json_schema/regex/ebnf work
         with pytest.raises(BadRequest, match=f"sampling_params.{key} is not supported by this server"):
             parse_generate({"text": "a", "sampling_params": {key: val}}, tok)
-    with pytest.raises(BadRequest, match="top_logprobs_num > 0 is not supported by this server"):
-        parse_generate({"text": "a", "return_logprob": True, "top_logprobs_num": 3}, tok)
+    assert parse_generate({"text": "a", "return_logprob": True, "top_logprobs_num": 3}, tok).items[0].top_logprobs == 3
+    for bad, match in (({"top_logprobs_num": 3}, "needs return_logprob"),
+                       ({"return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num=21 is out of range")):
+        with pytest.raises(BadRequest, match=match):
+            parse_generate({"text": "a", **bad}, tok)
     assert parse_generate({"text": "a", "top_logprobs_num": 0}, tok).items
     for bad, match in (({"presence_penalty": -3}, "sampling_params.presence_penalty"),
                        ({"repetition_penalty": -1}, "sampling_params.repetition_penalty"),
