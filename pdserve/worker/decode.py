@@ -69,7 +69,6 @@ class DecodeRole(WorkerRole):
         self.local_max = cfg.disagg_local_prefill_max_tokens
         self.overload = cfg.disagg_prefill_overload_tokens
         self.local_meta: dict[str, dict] = {}  # rid -> meta for the first output of a local prefill
-        self.drops: dict[str, tuple[str, int, str]] = {}  # rid -> drop notice due after its first token
         return {"transfer_endpoint": self.local["endpoint"]}
 
     def _reserve(self, rid: str, prompt_len: int) -> Reservation | None:
@@ -121,27 +120,26 @@ class DecodeRole(WorkerRole):
                              len(req.input_ids), req.pd.prefill_dp_rank)
         return []
 
-    def _prefill_here_because(self, req: GenerateReq) -> tuple[int, str, bool] | None:
-        """(missing tokens, why, prefill overloaded) when this decode should prefill `req`
-        itself, else None."""
+    def _prefill_here_because(self, req: GenerateReq) -> tuple[int, str] | None:
+        """(missing tokens, why) when this decode should prefill `req` itself, else None."""
         if not (self.local_max or self.overload):
             return None
         missing = len(req.input_ids) - self.engine.cached_prefix_tokens(req.input_ids)
         if self.local_max and missing <= self.local_max:
             return missing, (f"{missing} prompt tokens not in its cache, --disagg-local-prefill-max-tokens "
-                             f"{self.local_max}"), False
+                             f"{self.local_max}")
         load = self.peers.load_tokens(bootstrap_addr(req.pd.bootstrap_host, req.pd.bootstrap_port)) \
             if self.overload else None
         if load is not None and load > self.overload:
             return missing, (f"the prefill reported {load} prompt tokens in flight, "
-                             f"--disagg-prefill-overload-tokens {self.overload}"), True
+                             f"--disagg-prefill-overload-tokens {self.overload}")
         return None
 
-    def _prefill_here(self, req: GenerateReq, missing: int, why: str, overloaded: bool) -> list[TokenOutput]:
+    def _prefill_here(self, req: GenerateReq, missing: int, why: str) -> list[TokenOutput]:
         """Conditional disaggregation: this decode computes the prompt itself (only `missing`
-        tokens are not in its prefix cache) and tells the prefill to drop the room: at once when
-        the prefill is overloaded, else after the first token, so that the notice's work (a thread
-        and an HTTP call) does not share this decode's core with the prompt's compute."""
+        tokens are not in its prefix cache) and tells the prefill at once to drop the room, so
+        that it stops computing it (sending the notice after the first token instead measured no
+        faster here; docs/benchmarks.md, "Conditional disaggregation")."""
         room = req.pd.bootstrap_room
         out = ColocatedRole(self.ctx).on_generate(req)
         if out:  # refused by the engine: the prefill leg must not wait for us either
@@ -149,18 +147,10 @@ class DecodeRole(WorkerRole):
         self.local_meta[req.rid] = {"disaggregation": "local", "bootstrap_room": room,
                                     "decode_dp_rank": self.dp_rank, "local_prefill_tokens": missing,
                                     "local_prefill_reason": why}
-        drop = (bootstrap_addr(req.pd.bootstrap_host, req.pd.bootstrap_port), room,
-                f"decode dp_rank {self.dp_rank} prefilled it ({why})")
-        if overloaded:  # the prefill is the bottleneck: spare it the prompt at once
-            self.receiver.pool.submit(self._drop_room, *drop)
-        else:  # this decode's core is: tell the prefill once the first token is out
-            self.drops[req.rid] = drop
+        reason = f"decode dp_rank {self.dp_rank} prefilled it ({why})"
+        addr = bootstrap_addr(req.pd.bootstrap_host, req.pd.bootstrap_port)
+        self.receiver.pool.submit(self._drop_room, addr, room, reason)
         return []
-
-    def _send_drop(self, rid: str) -> None:
-        drop = self.drops.pop(rid, None)
-        if drop is not None:
-            self.receiver.pool.submit(self._drop_room, *drop)
 
     def _drop_room(self, addr: str, room: int, reason: str) -> None:
         """Best effort (receiver thread): without it the prefill holds the room to its deadline."""
@@ -179,7 +169,6 @@ class DecodeRole(WorkerRole):
             return self.poll()
         self.rooms.pop(rid, None)
         self.local_meta.pop(rid, None)
-        self._send_drop(rid)
         if self.engine.abort(rid):
             return [error_output(rid, 499, reason, "aborted")]
         return []
@@ -190,7 +179,6 @@ class DecodeRole(WorkerRole):
             if o.finished:
                 self.rooms.pop(o.rid, None)
             tokens.append(to_token_output(o, self.local_meta.pop(o.rid, None)))
-            self._send_drop(o.rid)
         return tokens
 
     def poll(self) -> list[TokenOutput]:

@@ -566,10 +566,10 @@ def test_a_decode_below_the_overload_bound_uses_the_prefill(pd):
 
 
 @pytest.mark.parametrize("overloaded", [False, True])
-def test_the_drop_notice_waits_for_the_first_token_unless_the_prefill_is_overloaded(pd, overloaded):
-    """A decode that prefills a short uncached prompt itself tells the prefill to drop the room
-    only once its first token is out (the notice must not share the decode's core with the
-    prompt's compute); when the prefill is overloaded it tells it at once, sparing its work."""
+def test_the_drop_notice_goes_before_the_first_token(pd, overloaded):
+    """A decode that prefills a prompt itself (short uncached part, or an overloaded prefill)
+    tells the prefill to drop the room before its own first token, so the prefill stops
+    computing it."""
     decode = pd.decode.role
     if overloaded:
         decode.overload = 100
@@ -593,9 +593,9 @@ def test_the_drop_notice_waits_for_the_first_token_unless_the_prefill_is_overloa
     decode.receiver.pool = Pool()
     pd.prefill.generate(pd.req("p-1"))
     pd.decode.generate(pd.req("d-1"))
-    assert sent == ([0] if overloaded else [])
+    assert sent == [0]
     pd.finish()
-    assert sent == ([0] if overloaded else [1]), sent
+    assert sent == [0], sent
     p = pd.prefill.final("p-1")
     assert p.error is None and p.meta["disaggregation"] == "dropped"
     assert pd.decode.tokens("d-1") == fake_continuation(PROMPT, 4, VOCAB)

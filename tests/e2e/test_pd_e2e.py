@@ -372,8 +372,7 @@ def test_client_disconnect_on_decode_leg_frees_both_sides(servers):
 
 def test_conditional_disaggregation_prefills_short_uncached_prompts_on_the_decode(servers):
     """--disagg-local-prefill-max-tokens 8: a prompt with at most 8 tokens missing from the
-    decode's prefix cache is prefilled there and its prefill leg ends with no transfer once the
-    decode's first token is out;
+    decode's prefix cache is prefilled there and its prefill leg ends at once with no transfer;
     a longer one goes through the prefill; the second turn of a chat, mostly cached on the
     decode, is local again. Greedy output equals colocated every time."""
     import httpx

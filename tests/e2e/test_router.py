@@ -274,6 +274,7 @@ def test_a_prefill_5xx_before_any_token_is_tried_again_with_new_rooms(stubs, sta
     a failed handoff) is tried again with fresh rooms; the client gets the second try's answer."""
     prefill, decode, router = stubs
     prefill.control(fail_status=status, fail_times=1)
+    decode.control(delay=0.5)  # answers after the prefill's failure (a stub decode needs no KV)
     before = router.metric('pdserve_router_retries_total{reason="status"}')
     resp = router.post("/generate", {"text": "x"})
     assert resp.status_code == 200, resp.text

@@ -17,7 +17,7 @@ import pytest
 
 from cluster import Server  # noqa: E402
 from fake_worker import write_fake_model  # noqa: E402
-from fault_tools import shared_tiny_model  # noqa: E402
+from fault_tools import Router, shared_tiny_model  # noqa: E402
 from tool_templates import TIME_TOOL, WEATHER_TOOL, use_template  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -161,7 +161,7 @@ NOW_TOOL = {"type": "function", "function": {"name": "now", "parameters": {
 
 
 @pytest.fixture(scope="module")
-def real(tmp_path_factory):
+def hermes_dir(tmp_path_factory) -> str:
     d = str(tmp_path_factory.mktemp("tiny-hermes") / "m")
     shutil.copytree(shared_tiny_model(tmp_path_factory), d)  # built once per session
     with open(f"{d}/config.json") as f:
@@ -169,11 +169,36 @@ def real(tmp_path_factory):
     with open(f"{d}/config.json", "w") as f:  # room for the tools' system prompt (RoPE has no table)
         json.dump({**cfg, "max_position_embeddings": 1024}, f)
     use_template(d)
-    s = Server("colocated", d, extra=["--served-model-name", "tiny"], log_dir=str(tmp_path_factory.mktemp("logs")))
+    return d
+
+
+@pytest.fixture(scope="module")
+def real(hermes_dir, tmp_path_factory):
+    s = Server("colocated", hermes_dir, extra=["--served-model-name", "tiny"],
+               log_dir=str(tmp_path_factory.mktemp("logs")))
     try:
         yield s.wait_ready()
     finally:
         s.stop()
+
+
+@pytest.fixture(scope="module")
+def real_pd(hermes_dir, real, tmp_path_factory):
+    """A prefill, a decode and our router on the same templated tiny model."""
+    logs = str(tmp_path_factory.mktemp("pd-logs"))
+    servers = [Server(role, hermes_dir, extra=["--served-model-name", "tiny"], log_dir=logs)
+               for role in ("prefill", "decode")]
+    router = None
+    try:
+        for s in servers:
+            s.wait_ready()
+        router = Router(servers[:1], servers[1:], log_dir=logs).wait_healthy()
+        yield router, servers
+    finally:
+        if router:
+            router.stop()
+        for s in servers:
+            s.stop()
 
 
 def test_forced_tool_choice_is_held_by_the_grammar(real):
@@ -199,3 +224,30 @@ def test_forced_tool_choice_is_held_by_the_grammar(real):
     assert [(t.function.name, t.function.arguments) for t in snap.message.tool_calls] == \
         [(call.function.name, call.function.arguments)] and snap.finish_reason == "tool_calls"
     real.wait_idle()
+
+
+def test_tool_calls_through_the_pd_router_equal_colocated(real, real_pd):
+    """tool_choice "required" and a named function through prefill + decode: the prefill samples
+    the first token under the grammar, the decode continues it; the calls equal colocated's,
+    streamed and not."""
+    router, servers = real_pd
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER_TOOL, NOW_TOOL],
+              temperature=0, max_tokens=120)
+
+    def calls(url: str, **extra) -> list:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        out = []
+        for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+            msg = c.chat.completions.create(tool_choice=choice, parallel_tool_calls=False, **kw, **extra).choices[0]
+            out.append((msg.finish_reason, [(t.function.name, t.function.arguments) for t in msg.message.tool_calls]))
+            state = ChatCompletionStreamState()
+            for chunk in c.chat.completions.create(tool_choice=choice, parallel_tool_calls=False, stream=True, **kw):
+                state.handle_chunk(chunk)
+            snap = state.current_completion_snapshot.choices[0]
+            out.append((snap.finish_reason, [(t.function.name, t.function.arguments) for t in snap.message.tool_calls]))
+        return out
+
+    colocated, pd = calls(real.url), calls(router.url)
+    assert pd == colocated and all(tcs for _, tcs in pd), (pd, colocated)
+    for s in servers:
+        s.wait_idle()
