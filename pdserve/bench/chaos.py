@@ -2,8 +2,9 @@
 two prefill and two decode servers while a seeded schedule breaks them: it SIGKILLs a DP worker
 or a whole server (restarted on the same ports after `--down-s`), SIGSTOPs a prefill's workers
 for `--stall-s` (its prefills and transfers stall), or cuts every router<->server connection of
-one server (a TcpProxy sits in front of each). One fault at a time, one every `--fault-every-s`
-seconds on average.
+one server (a TcpProxy sits in front of each). One fault every `--fault-every-s` seconds on
+average, one at a time; with `--overlap` cuts and stalls go on while a killed server restarts
+(at most one server is down).
 
 Every request's outcome is one of: ok (complete, and equal to the fault-free greedy answer
 computed before the faults began), wrong (a 200 whose answer differs or is cut short), error
@@ -162,7 +163,11 @@ async def _one(c: httpx.AsyncClient, url: str, job: Job, ref, timeout: float) ->
 
 # ---- faults -----------------------------------------------------------------------------------
 class FaultRunner(threading.Thread):
-    """Applies the seeded schedule to the cluster until `stop` is set; one fault at a time."""
+    """Applies the seeded schedule to the cluster until `stop` is set. A killed server restarts
+    before the next fault, or with --overlap in the background while cuts and stalls go on
+    elsewhere; at most one server is down at a time, so the cluster keeps a prefill and a decode."""
+
+    KILLS = (Fault.KILL_WORKER, Fault.KILL_SERVER)
 
     def __init__(self, cluster: ChaosCluster, a, t0: float):
         super().__init__(name="chaos-faults", daemon=True)
@@ -171,25 +176,36 @@ class FaultRunner(threading.Thread):
         self.stop = threading.Event()
         self.events: list[FaultEvent] = []
         self.error: BaseException | None = None
+        self.down: ChaosServer | None = None  # the server restarting now
+        self.restarts: list[threading.Thread] = []
 
     def run(self) -> None:
         try:
             kinds = [Fault(k) for k in self.a.faults.split(",")]
             while not self.stop.wait(self.rng.uniform(0.5, 1.5) * self.a.fault_every_s):
-                fault = self.rng.choice(kinds)
-                pool = [s for s in self.cluster.servers if fault is not Fault.STALL or s.role == "prefill"]
+                down = self.down
+                allowed = [k for k in kinds if down is None or k not in self.KILLS]
+                if not allowed:
+                    continue
+                fault = self.rng.choice(allowed)
+                pool = [s for s in self.cluster.servers if s is not down
+                        and (fault is not Fault.STALL or s.role == "prefill")]
                 target = self.rng.choice(pool)
                 ev = FaultEvent(round(time.monotonic() - self.t0, 2), fault, target.name)
                 self.events.append(ev)
-                self._apply(fault, target)
-                ev.healed_s = round(time.monotonic() - self.t0, 2)
+                self._apply(fault, target, ev)
+            for t in self.restarts:
+                t.join(self.a.start_timeout + self.a.down_s + 10)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             self.error = e
 
-    def _apply(self, fault: Fault, s: ChaosServer) -> None:
+    def _healed(self, ev: FaultEvent) -> None:
+        ev.healed_s = round(time.monotonic() - self.t0, 2)
+
+    def _apply(self, fault: Fault, s: ChaosServer, ev: FaultEvent) -> None:
         if fault is Fault.CUT:
             s.proxy.cut()
-            return
+            return self._healed(ev)
         if fault is Fault.STALL:
             pids = s.worker_pids()
             for pid in pids:
@@ -197,17 +213,31 @@ class FaultRunner(threading.Thread):
             time.sleep(self.a.stall_s)
             for pid in pids:
                 os.kill(pid, signal.SIGCONT)
-            return
+            return self._healed(ev)
         if fault is Fault.KILL_WORKER:
             pids = s.worker_pids()
             if pids:
                 os.kill(self.rng.choice(pids), signal.SIGKILL)
         else:
             s.group.signal(signal.SIGKILL)
-        time.sleep(self.a.down_s)
-        s.stop()
-        s.start()
-        s.wait_ready(self.a.start_timeout)
+        self.down = s
+        if not self.a.overlap:  # one fault at a time: the schedule waits for the restart
+            return self._restart(s, ev)
+        t = threading.Thread(target=self._restart, args=(s, ev), name=f"chaos-restart-{s.name}", daemon=True)
+        self.restarts.append(t)
+        t.start()
+
+    def _restart(self, s: ChaosServer, ev: FaultEvent) -> None:
+        try:
+            time.sleep(self.a.down_s)
+            s.stop()
+            s.start()
+            s.wait_ready(self.a.start_timeout)
+            self._healed(ev)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            self.error = e
+        finally:
+            self.down = None
 
 
 # ---- the run ----------------------------------------------------------------------------------
@@ -350,6 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated fault kinds to draw from (repeat one to weigh it)")
     p.add_argument("--down-s", type=float, default=1.0, help="a killed server stays down this long")
     p.add_argument("--stall-s", type=float, default=1.5)
+    p.add_argument("--overlap", action="store_true",
+                   help="cuts and stalls go on while a killed server restarts (double faults)")
     p.add_argument("--concurrency", type=int, default=6)
     p.add_argument("--distinct-prompts", type=int, default=24)
     p.add_argument("--min-tokens", type=int, default=8)

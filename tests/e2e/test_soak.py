@@ -22,7 +22,7 @@ from fault_tools import Router, children, fd_count, rss_kb, shared_tiny_model, t
 
 pytestmark = [pytest.mark.e2e, pytest.mark.soak, pytest.mark.timeout(600)]
 
-REQUESTS = int(os.environ.get("PDSERVE_SOAK_REQUESTS", "900"))
+REQUESTS = int(os.environ.get("PDSERVE_SOAK_REQUESTS", "600"))
 CONCURRENCY = 12
 CANCEL_SHARE = 0.15
 ROOM_TTL_S = 3.0
