@@ -3,7 +3,8 @@
 Run it as a subprocess: `python tests/stub_pd_server.py --role decode --port 0`; it prints
 `STUB READY port=N` once listening. It answers /generate and the OpenAI routes with text derived
 from the body and echoes the PD fields it got under `pd`; knobs (CLI flags, or POST /_control at
-run time): delay, hold until POST /_release, fail with a status, close the connection mid-stream, hold the stream after its
+run time): delay, hold until POST /_release, fail with a status (and error object), drop the connection before
+answering (drop_times), close the connection mid-stream, hold the stream after its
 first chunk until POST /_release, report unhealthy, reported load. GET /_received returns the
 bodies it got, the requests cancelled by the client (connection closed) and those it completed.
 """
@@ -19,7 +20,7 @@ from aiohttp import web
 
 PD_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "routed_dp_rank", "disagg_prefill_dp_rank")
 KNOBS = ("delay", "hold", "fail_status", "fail_times", "close_mid_stream", "stream_gate", "healthy", "load",
-         "stream_chunks")
+         "stream_chunks", "drop_times", "fail_error")
 
 
 class Stub:
@@ -30,7 +31,9 @@ class Stub:
         self.hold = args.hold
         self.fail_status = args.fail_status
         self.fail_times = 0  # with fail_status: fail only this many generations (0: every one)
+        self.fail_error = None  # with fail_status: the reply's "error" object (None: a stub_error)
         self.failed = 0
+        self.drop_times = 0  # close this many generations' connections before answering
         self.close_mid_stream = args.close_mid_stream
         self.stream_gate = args.stream_gate
         self.stream_chunks = args.stream_chunks
@@ -82,10 +85,15 @@ class Stub:
                 await asyncio.sleep(self.delay)
             if self.hold:
                 await asyncio.wait_for(self.gate.wait(), 60)
+            if self.drop_times > 0:
+                self.drop_times -= 1
+                request.transport.close()
+                return web.Response(status=500)  # never sent: the connection is gone
             if self.fail_status and (not self.fail_times or self.failed < self.fail_times):
                 self.failed += 1
-                return web.json_response({"error": {"message": f"stub {self.role} failure for room {room}",
-                                                    "type": "stub_error"}}, status=self.fail_status)
+                return web.json_response({"error": self.fail_error or {
+                    "message": f"stub {self.role} failure for room {room}", "type": "stub_error"}},
+                    status=self.fail_status)
             if body.get("stream"):
                 return await self.stream(request, body)
             resp = web.Response(body=json.dumps(self.reply(request.path, body)), content_type="application/json")

@@ -10,7 +10,8 @@ Every request's outcome is one of: ok (complete, and equal to the fault-free gre
 computed before the faults began), wrong (a 200 whose answer differs or is cut short), error
 (an HTTP error or an error event, with its message), hung (no end within `--request-timeout-s`).
 Migrations are read from the router's metrics. Afterwards every server must come back healthy
-with no page held (stranded pages), and the router's open fds, threads and RSS must be flat.
+with no page held (stranded pages), and the open fds and threads of the router and of every server
+process that lived through the run must be flat, and their RSS within --rss-slack-mib.
 """
 
 from __future__ import annotations
@@ -83,11 +84,15 @@ class Report:
     error_seconds_median: float
     error_seconds_max: float
     error_samples: list[str]
+    error_kinds: dict[str, int]  # errors by message, with ids, rooms, ports and numbers masked
     wrong_samples: list[str]
     faults: list[dict]
     stranded_pages: int
     unhealthy_servers: list[str]
     router_growth: dict[str, int]
+    # every server process (front or DP worker) alive from the first third to the end: how many,
+    # and the most any of them grew in fds, threads and RSS
+    survivor_growth: dict[str, int]
     flat: bool
     ok: bool = field(default=False)
 
@@ -265,6 +270,19 @@ def _router_sample(pid: int) -> dict[str, int]:
     return {"fds": proc_fds(pid), "threads": threads, "rss_kb": proc_rss_kb(pid)}
 
 
+def _server_samples(cluster: ChaosCluster) -> dict[int, dict[str, int]]:
+    """pid -> sample, for every server front and DP worker now alive."""
+    return {pid: _router_sample(pid) for srv in cluster.servers for pid in srv.pids()}
+
+
+def _survivor_growth(third: dict[int, dict], end: dict[int, dict]) -> dict[str, int]:
+    alive = [pid for pid in third if pid in end]
+    out = {"processes": len(alive)}
+    for k in ("fds", "threads", "rss_kb"):
+        out[f"max_{k}"] = max((end[pid][k] - third[pid][k] for pid in alive), default=0)
+    return out
+
+
 async def _load(cluster: ChaosCluster, a, jobs: list[Job], refs: dict, end: float, third: dict) -> list[Result]:
     results: list[Result] = []
     rng = random.Random(a.seed + 2)
@@ -276,7 +294,7 @@ async def _load(cluster: ChaosCluster, a, jobs: list[Job], refs: dict, end: floa
                 job = rng.choice(jobs)
                 results.append(await _one(c, cluster.router_url, job, refs[job], a.request_timeout_s))
                 if not third and time.monotonic() >= t_third:
-                    third.update(_router_sample(cluster.router.proc.pid))
+                    third.update(_router_sample(cluster.router.proc.pid), servers=_server_samples(cluster))
         await asyncio.gather(*(client() for _ in range(a.concurrency)))
     return results
 
@@ -330,13 +348,17 @@ def run(a) -> Report:
         duration = time.monotonic() - t0
         stranded, unhealthy = _settle(cluster, a.settle_s)
         end_sample = _router_sample(cluster.router.proc.pid)
+        servers_end = _server_samples(cluster)
         migrated = _migrations(cluster.router_url) - migrated0
     finally:
         cluster.close()
     counts = Counter(r.outcome.value for r in results)
     errs = [r for r in results if r.outcome is Outcome.ERROR]
     growth = {k: end_sample[k] - third.get(k, end_sample[k]) for k in end_sample}
-    flat = growth["fds"] <= a.fd_slack and growth["threads"] <= a.fd_slack
+    survivors = _survivor_growth(third.get("servers", {}), servers_end)
+    flat = all(g <= a.fd_slack for g in (growth["fds"], growth["threads"], survivors["max_fds"],
+                                         survivors["max_threads"])) \
+        and max(growth["rss_kb"], survivors["max_rss_kb"]) <= a.rss_slack_mib * 1024
     n = len(results)
     report = Report(
         duration_s=round(duration, 1), requests=n, outcomes={o.value: counts.get(o.value, 0) for o in Outcome},
@@ -344,12 +366,21 @@ def run(a) -> Report:
         error_seconds_median=round(statistics.median([r.seconds for r in errs]), 2) if errs else 0.0,
         error_seconds_max=round(max([r.seconds for r in errs]), 2) if errs else 0.0,
         error_samples=sorted({r.detail[:160] for r in errs})[:8],
+        error_kinds=dict(Counter(error_kind(r.detail) for r in errs).most_common(10)),
         wrong_samples=[r.detail for r in results if r.outcome is Outcome.WRONG][:5],
         faults=[asdict(e) for e in faults.events], stranded_pages=stranded, unhealthy_servers=unhealthy,
-        router_growth=growth, flat=flat)
+        router_growth=growth, survivor_growth=survivors, flat=flat)
     report.ok = (report.outcomes["hung"] == 0 and report.outcomes["wrong"] == 0 and stranded == 0
                  and not unhealthy and flat and report.success_rate >= a.min_success)
     return report
+
+
+_NOISE = re.compile(r"[0-9a-f]{32}|\[[0-9, ]+\]|\d+")
+
+
+def error_kind(detail: str) -> str:
+    """An error's message with what differs between requests masked, so like errors count together."""
+    return _NOISE.sub("#", detail)[:150]
 
 
 def print_report(r: Report) -> None:
@@ -358,12 +389,15 @@ def print_report(r: Report) -> None:
     print(f"requests {r.requests}: " + ", ".join(f"{k} {v}" for k, v in r.outcomes.items())
           + f"; migrated {r.migrated}; success {r.success_rate:.2%}")
     print(f"errors ended in median {r.error_seconds_median} s, max {r.error_seconds_max} s")
+    for kind, count in r.error_kinds.items():
+        print(f"  {count:5d} x {kind}")
     for s in r.error_samples:
         print(f"  error: {s}")
     for s in r.wrong_samples:
         print(f"  wrong: {s}")
     print(f"stranded pages {r.stranded_pages}; unhealthy after the run {r.unhealthy_servers or 'none'}; "
-          f"router growth after the first third {r.router_growth} ({'flat' if r.flat else 'NOT flat'})")
+          f"growth after the first third: router {r.router_growth}, the most of any server process alive "
+          f"throughout {r.survivor_growth} ({'flat' if r.flat else 'NOT flat'})")
     print("PASS" if r.ok else "FAIL")
 
 
@@ -389,7 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout-s", type=float, default=60.0)
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--settle-s", type=float, default=60.0)
-    p.add_argument("--fd-slack", type=int, default=8, help="fds/threads the router may add after the first third")
+    p.add_argument("--fd-slack", type=int, default=8,
+                   help="fds/threads the router, or a server process, may add after the first third")
+    p.add_argument("--rss-slack-mib", type=float, default=64,
+                   help="RSS the router, or a server process, may add after the first third")
     p.add_argument("--min-success", type=float, default=0.99)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--short-deadlines", action=argparse.BooleanOptionalAction, default=True,

@@ -112,6 +112,7 @@ class RouterApp:
         if tasks:
             await asyncio.wait(tasks)
         await self.proxy.close()
+        await self.health.close()
         self.legs.close()
         if self.session is not None:
             await self.session.close()
@@ -136,9 +137,11 @@ class RouterApp:
         if not up.health.selectable:  # out of selection: when it returns, its cache may be gone
             self.pool.forget(up)
 
-    def _leg_connection_failed(self, up: Upstream, message: str) -> None:
+    def _leg_connection_failed(self, up: Upstream, message: str) -> asyncio.Task | None:
+        """A leg failed as if `up` were gone: probe it now (health.py); None without health checks."""
         if self.cfg.health_check_enabled:
-            self.health.record(up, False, message)
+            return self.health.confirm(up, message)
+        return None
 
     def _pd_handler(self, route: Route):
         async def handler(request: web.Request) -> web.StreamResponse:

@@ -2,8 +2,10 @@
 
 A server starts UNKNOWN (not selectable) and becomes HEALTHY on its first passed probe. After
 `failure_threshold` consecutive failures it is UNHEALTHY (removed from selection) until
-`success_threshold` consecutive passes bring it back. Failed legs (connection errors) count as
-failed probes too, so a dead server leaves selection without waiting for the loop.
+`success_threshold` consecutive passes bring it back. A failed leg (a connection error) makes the
+router probe that server at once (`confirm`): a failed probe then takes it out of selection
+without waiting for the loop, a passing one keeps it in, since a cut connection (a proxy, a load
+balancer's idle timeout, a network blip) is not a dead server.
 """
 
 from __future__ import annotations
@@ -65,13 +67,15 @@ class HealthTracker:
     def selectable(self) -> bool:
         return self.state is HealthState.HEALTHY
 
-    def record(self, ok: bool, error: str = "") -> tuple[HealthState, HealthState]:
-        """Apply one probe result; returns (old state, new state)."""
+    def record(self, ok: bool, error: str = "", down: bool = False) -> tuple[HealthState, HealthState]:
+        """Apply one probe result; returns (old state, new state). `down`: a failure that is
+        already confirmed (a failed leg, then a failed probe) counts as `failure_threshold`."""
         if ok:
             self.passes, self.failures = self.passes + 1, 0
             event = _E.RECOVERED if self.passes >= self.success_threshold else _E.PASSED
         else:
-            self.passes, self.failures, self.last_error = 0, self.failures + 1, error
+            self.passes, self.last_error = 0, error
+            self.failures = max(self.failures + 1, self.failure_threshold if down else 0)
             event = _E.DOWN if self.failures >= self.failure_threshold else _E.FAILED
         old, self.state = self.state, TRANSITIONS[(self.state, event)]
         return old, self.state
@@ -95,6 +99,7 @@ class HealthLoop:
         self._probe = probe
         self._interval = interval
         self._on_change = on_change
+        self._confirming: dict[str, asyncio.Task] = {}  # url -> the probe a failed leg asked for
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(up) for up in self._upstreams))
@@ -107,8 +112,34 @@ class HealthLoop:
         else:
             self.record(up, True)
 
-    def record(self, up: "Upstream", ok: bool, error: str = "") -> None:
-        old, new = up.health.record(ok, error)
+    def confirm(self, up: "Upstream", error: str) -> asyncio.Task:
+        """A leg to `up` failed (`error`): probe it now, one probe per server at a time. A failed
+        probe takes it out of selection at once; a passing one leaves it in. Await the task to
+        know before picking `up` again."""
+        task = self._confirming.get(up.url)
+        if task is None or task.done():
+            task = asyncio.get_running_loop().create_task(self._confirm(up, error))
+            self._confirming[up.url] = task
+        return task
+
+    async def _confirm(self, up: "Upstream", error: str) -> None:
+        try:
+            await self._probe(up)
+        except Exception as exc:
+            self.record(up, False, f"{error}; then a probe failed: {type(exc).__name__}: {exc}", down=True)
+        else:
+            self.record(up, True)
+
+    async def close(self) -> None:
+        """Cancel the probes failed legs asked for."""
+        tasks = [t for t in self._confirming.values() if not t.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
+    def record(self, up: "Upstream", ok: bool, error: str = "", down: bool = False) -> None:
+        old, new = up.health.record(ok, error, down)
         if old is not new:
             level = logging.INFO if new is HealthState.HEALTHY else logging.WARNING
             log.log(level, "%s server %s: %s -> %s %s", up.role.value, up.url, old.value, new.value,

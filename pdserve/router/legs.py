@@ -31,12 +31,15 @@ class LegErrorKind(str, enum.Enum):
 
 
 class LegError(Exception):
-    """A failed leg. `status` is what the client gets; `message` names the role and server."""
+    """A failed leg. `status` is what the client gets; `message` names the role and server;
+    `sent` is the server's own JSON `error` object, when it sent one (the client gets its code,
+    param and other fields as they were)."""
 
     def __init__(self, upstream: Upstream, kind: LegErrorKind, status: int, message: str,
-                 type: str = "upstream_error"):
+                 type: str = "upstream_error", sent: dict | None = None):
         super().__init__(message)
         self.upstream, self.kind, self.status, self.message, self.type = upstream, kind, status, message, type
+        self.sent = sent
 
     @property
     def retryable(self) -> bool:
@@ -46,6 +49,16 @@ class LegError(Exception):
     def server_down(self) -> bool:
         """The server itself looks gone (counts against its health), not just this request."""
         return self.kind is LegErrorKind.CONNECTION or self.status == 503
+
+
+def upstream_error_object(raw: bytes) -> dict | None:
+    """The `error` object of an OpenAI/pdserve-style error body, else None."""
+    try:
+        data = decode(raw)
+    except Exception:
+        return None
+    err = data.get("error") if isinstance(data, dict) else None
+    return err if isinstance(err, dict) else None
 
 
 def upstream_error_text(raw: bytes) -> tuple[str, str | None]:
@@ -190,7 +203,7 @@ class LegClient:
         self._metrics.upstream_errors.labels(up.role.value, up.url, "status").inc()
         return LegError(up, LegErrorKind.STATUS, resp.status,
                         f"{up.role.value} server {up.url} failed with status {resp.status}: {message}",
-                        etype or "upstream_error")
+                        etype or "upstream_error", upstream_error_object(raw))
 
     async def fetch(self, up: Upstream, path: str, data: bytes, auth: str | None = None,
                     rank: int | None = None) -> LegReply:

@@ -81,7 +81,7 @@ class Migration:
     untracked: bool = False  # ... one whose ids are unknown (no progress line)
     done: bool = False  # the answer ended (its finish event went out)
     count: int = 0  # migrations so far
-    failed_decodes: set[str] = field(default_factory=set)
+    failed_decodes: set[str] = field(default_factory=set)  # answered it with an error: never again
 
     @property
     def wants_progress(self) -> bool:

@@ -7,11 +7,13 @@ Life of one request (one PDExchange):
    the first failing leg cancels the other and becomes the one error the client gets (a
    decode 5xx first waits briefly for the prefill, whose rejection is then the cause reported);
 3. a connection failure or a retryable status there (legs.RETRYABLE_STATUSES, or 429) is retried
-   on another pair with new rooms (up to max tries);
+   on another pair with new rooms (up to max tries); the failed server is taken again only when
+   nothing else is healthy, after a connection failure once the probe it started has passed;
 4. stream: commit decode's status and relay its events as they come (migration.StreamRelay);
 5. a decode that fails after that (an error event, a broken or cut-off body), or with a 5xx
    before answering, moves the request to another pair with the tokens streamed so far, up to
-   --migration-limit times (migration.py); any other failure, or one that cannot move, is the
+   --migration-limit times (migration.py), to the same decode only when its connection broke,
+   nothing else is healthy and its probe passed; any other failure, or one that cannot move, is the
    client's error: on a stream `data: {"error": ...}` then `data: [DONE]`;
 6. prefill's reply is read and dropped (merged first with `return_logprob`), in the background
    when decode finished first. Client disconnect or the deadline cancels every open leg.
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from typing import Awaitable, Callable
 
 from aiohttp import web
 
@@ -42,19 +44,24 @@ STREAM_ERROR_WRITE_TIMEOUT_S = 5.0
 PREFILL_VERDICT_GRACE_S = 0.5  # how long a failed decode leg waits for the prefill's own error
 
 
-def error_body(status: int, message: str, type: str) -> bytes:
-    return encode({"error": {"message": message, "type": type, "code": status}})
+def error_body(status: int, message: str, type: str, sent: dict | None = None) -> bytes:
+    """The router's error object; `sent`: the failing server's own (LegError.sent), whose fields
+    other than message and type (code, param, ...) the client gets as that server sent them."""
+    err = {"message": message, "type": type, "code": status}
+    if sent:
+        err.update({k: v for k, v in sent.items() if k not in ("message", "type")})
+    return encode({"error": err})
 
 
-def error_response(status: int, message: str, type: str) -> web.Response:
-    return web.Response(status=status, body=error_body(status, message, type), content_type="application/json")
+def error_response(status: int, message: str, type: str, sent: dict | None = None) -> web.Response:
+    return web.Response(status=status, body=error_body(status, message, type, sent), content_type="application/json")
 
 
 class PDProxy:
     """Shared parts of every exchange: config, pool, leg client, metrics, background drains."""
 
     def __init__(self, cfg: RouterConfig, pool: UpstreamPool, legs: LegClient, metrics: RouterMetrics,
-                 on_connection_failure: Callable[[Upstream, str], None]):
+                 on_connection_failure: Callable[[Upstream, str], Awaitable | None]):
         self.cfg, self.pool, self.legs, self.metrics = cfg, pool, legs, metrics
         self.on_connection_failure = on_connection_failure
         self._background: set[asyncio.Task] = set()
@@ -97,10 +104,11 @@ class PDExchange:
         self.where = ""  # room and servers of the current try, for error messages
         self._timeout: Deadline | None = None
         self._deadline = 0.0
+        self._avoid: set[str] = set()  # servers that failed this request: picked only if nothing else is
+        self._suspects: dict[str, Awaitable] = {}  # url -> the probe its connection failure started
 
     async def run(self) -> web.StreamResponse:
         cfg = self.p.cfg
-        avoid: set[str] = set()
         last: LegError | None = None
         tries = 0
         key = routing_key(self.shape.route, self.body) if self.p.pool.needs_key else None
@@ -116,7 +124,7 @@ class PDExchange:
                 while True:
                     tries += 1
                     try:
-                        pair = self.p.pool.pick_pair(frozenset(avoid), key, frozenset(m.failed_decodes))
+                        pair = await self._pick(key)
                         if moving:
                             self.p.metrics.migrations.labels("started").inc()
                             moving = False
@@ -125,8 +133,7 @@ class PDExchange:
                             raise
                         # the failed server just left selection: its error is the cause, not this
                         why = "could not migrate" if m.count else "no retry"
-                        return await self._fail(last.status, f"{last.message} ({self.where}; {why}: "
-                                                f"{exc.message})", last.type)
+                        return await self._fail(last, f"{last.message} ({self.where}; {why}: {exc.message})")
                     try:
                         resp = await self._try_pair(pair, body)
                     except (LegError, StreamBroke) as exc:
@@ -140,13 +147,12 @@ class PDExchange:
                             continue
                         busy = err.kind is LegErrorKind.STATUS and err.status == 429  # back-pressure
                         if mid_stream or not (err.retryable or busy):
-                            return await self._fail(err.status, f"{err.message} ({self.where}){why_not}", err.type)
+                            return await self._fail(err, f"{err.message} ({self.where}){why_not}")
                         if err.server_down:  # a full server is healthy: another pair takes the request
-                            self.p.on_connection_failure(err.upstream, err.message)
-                        avoid.add(err.upstream.url)
+                            self._suspect(err)
+                        self._avoid.add(err.upstream.url)
                         if tries >= cfg.max_tries:
-                            return await self._fail(err.status, f"{err.message} ({self.where}; gave up after "
-                                                    f"{tries} tries)", err.type)
+                            return await self._fail(err, f"{err.message} ({self.where}; gave up after {tries} tries)")
                         self.p.metrics.retries.labels("overloaded" if busy else err.kind.value).inc()
                         last = err
                         continue
@@ -187,19 +193,38 @@ class PDExchange:
     def _start_migration(self, err: LegError) -> None:
         m = self.migration
         m.count += 1
-        m.failed_decodes.add(err.upstream.url)
-        if err.kind is LegErrorKind.CONNECTION:
-            self.p.on_connection_failure(err.upstream, err.message)
+        if err.kind is LegErrorKind.CONNECTION:  # maybe only the connection broke: a last resort
+            self._suspect(err)
+            self._avoid.add(err.upstream.url)
+        else:  # it answered with an error: never back there
+            m.failed_decodes.add(err.upstream.url)
         log.warning("migrating a request (%d of at most %d) after %d streamed tokens: %s (%s)", m.count,
                     self.p.cfg.migration_limit, len(m.ids), err.message, self.where)
 
-    async def _fail(self, status: int, message: str, type: str) -> web.StreamResponse:
-        """The client's one error: a JSON reply, or an error event once the stream is committed."""
+    def _suspect(self, err: LegError) -> None:
+        probe = self.p.on_connection_failure(err.upstream, err.message)
+        if probe is not None:
+            self._suspects[err.upstream.url] = probe
+
+    async def _pick(self, key) -> Pair:
+        """A pair for the next try. Servers that failed this request are taken only when nothing
+        else is healthy, and one that failed by connection only once its probe passed (health.py)."""
+        m = self.migration
+        pair = self.p.pool.pick_pair(frozenset(self._avoid), key, frozenset(m.failed_decodes))
+        probes = [self._suspects.pop(up.url) for up in (pair.prefill, pair.decode) if up.url in self._suspects]
+        if probes:
+            await asyncio.wait(probes)  # bounded by the request's deadline; never cancels a probe
+            pair = self.p.pool.pick_pair(frozenset(self._avoid), key, frozenset(m.failed_decodes))
+        return pair
+
+    async def _fail(self, err: LegError, message: str) -> web.StreamResponse:
+        """The client's one error, with the leg's status, type and own error fields: a JSON reply,
+        or an error event once the stream is committed."""
         if self.migration.count:
             self.p.metrics.migrations.labels("failed").inc()
         if self.response is None:
-            return error_response(status, message, type)
-        await self._write_stream_error(status, message, type)
+            return error_response(err.status, message, err.type, err.sent)
+        await self._write_stream_error(err.status, message, err.type, err.sent)
         return self.response
 
     def _client_auth(self) -> str | None:
@@ -353,10 +378,10 @@ class PDExchange:
         if not stream.at_eof():  # closed by the caller's finally
             self.p.metrics.cancelled_legs.labels("decode", reason).inc()
 
-    async def _write_stream_error(self, status: int, message: str, type: str) -> None:
+    async def _write_stream_error(self, status: int, message: str, type: str, sent: dict | None = None) -> None:
         assert self.response is not None
         try:
-            await self.response.write(b"data: " + error_body(status, message, type) + b"\n\n" + _DONE)
+            await self.response.write(b"data: " + error_body(status, message, type, sent) + b"\n\n" + _DONE)
             await self.response.write_eof()
         except (ConnectionError, RuntimeError):
             pass  # the client is gone too

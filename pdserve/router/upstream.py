@@ -167,7 +167,8 @@ class UpstreamPool:
     def pick_target(self, role: Role, avoid: frozenset[str] = frozenset(), key: RoutingKey = None,
                     exclude: frozenset[str] = frozenset()) -> tuple[Upstream, int | None]:
         """(server, DP rank) of `role`; the rank is None unless the pool is DP-aware. `avoid` is a
-        preference, `exclude` a rule (a migrated stream never goes back to the decode that failed)."""
+        preference, `exclude` a rule (a migrated stream never goes back to a decode that answered
+        it with an error)."""
         healthy = [up for up in self.selectable(role) if up.url not in exclude]
         if not healthy:
             states = ", ".join(f"{up.url} {up.health.state.value}" for up in self._by_role[role]

@@ -94,6 +94,10 @@ async def _start(front: Front, items, running: RunningRequests | None = None
     workers; the returned close() aborts what is unfinished and frees the slot. While it runs,
     `running` lists it for /abort_request."""
     gen = front.generator
+    if running is not None:
+        for it in items:
+            if it.resume is not None:
+                await running.take_over(it.rid, gen.pool.is_free)
     slot = await front.admit(items)
     try:
         active = gen.start(items)

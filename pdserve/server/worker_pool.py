@@ -184,6 +184,9 @@ class WorkerPool:
                 log.error("dp worker pid %d did not die", p.pid)
 
     # ---- requests ----------------------------------------------------------------------------
+    def is_free(self, rid: str) -> bool:
+        return rid not in self._streams
+
     def check_free(self, rids: list[str]) -> None:
         busy = [r for r in rids if r in self._streams]
         if busy:

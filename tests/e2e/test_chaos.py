@@ -2,8 +2,8 @@
 two prefill and two decode servers (tiny model), load for 16 s while workers and servers are
 killed and restarted, prefill workers stalled and router<->server connections cut (these two
 drawn more often: a restart costs seconds). No request
-may hang or come back wrong, no page may be stranded, every server must come back, the router's
-fds and threads stay flat. The long run and its figures are in docs/reliability.md.
+may hang or come back wrong, no page may be stranded, every server must come back, the fds and
+threads of the router and of every server process that lived through the run stay flat. The long run and its figures are in docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def test_chaos_soak_short(tmp_path_factory, capsys):
     assert len(r.faults) >= 2, out
     assert r.outcomes["hung"] == 0 and r.outcomes["wrong"] == 0, out
     assert r.stranded_pages == 0 and not r.unhealthy_servers, out
-    assert r.flat, out
+    assert r.flat and r.survivor_growth["processes"] >= 1, out
     assert r.requests > 50 and r.success_rate >= 0.9, out
     # every error is a clear one: a message naming what failed
     assert all(("server" in s or "worker" in s or "room" in s) for s in r.error_samples), out

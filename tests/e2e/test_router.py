@@ -380,14 +380,36 @@ def test_connection_failure_is_retried_on_another_pair(procs):
 
 
 def test_no_other_pair_gives_a_clear_connection_error(procs):
+    """A refused leg makes the router probe that server at once: the failed probe takes it out of
+    selection, and the client hears both (without health checks: the tries it gave up after)."""
     prefill, decode = procs.start(Stub, "prefill"), procs.start(Stub, "decode")
     router = procs.start(Router, "--prefill", prefill.url, "--decode", decode.url, "--max-retries", "2",
                          "--health-check-interval-secs", "60", "--health-failure-threshold", "5")
+    unchecked = procs.start(Router, "--prefill", prefill.url, "--decode", decode.url, "--max-retries", "2",
+                            "--disable-health-check")
     decode.stop()
     resp = router.post("/generate", {"text": "x"})
     assert resp.status_code == 502
     msg = error_of(resp)["message"]
-    assert f"decode server {decode.url} connection failed" in msg and "gave up after 2 tries" in msg
+    assert f"decode server {decode.url} connection failed" in msg and "no retry" in msg, msg
+    assert f"no healthy decode server ({decode.url} unhealthy)" in msg, msg
+    resp = unchecked.post("/generate", {"text": "x"})
+    assert resp.status_code == 502
+    msg = error_of(resp)["message"]
+    assert f"decode server {decode.url} connection failed" in msg and "gave up after 2 tries" in msg, msg
+
+
+def test_cut_connections_to_a_decode_that_answers_its_probe_keep_it_in_selection(procs):
+    """Each leg to the one decode is dropped before it answers, more times in a row than the
+    failure threshold: its probes pass, so it stays in selection and the last try succeeds."""
+    prefill, decode = procs.start(Stub, "prefill"), procs.start(Stub, "decode")
+    router = procs.start(Router, "--prefill", prefill.url, "--decode", decode.url, "--max-retries", "5",
+                         "--health-check-interval-secs", "60", "--health-failure-threshold", "2")
+    decode.control(drop_times=3)
+    resp = router.post("/generate", {"text": "x"})
+    assert resp.status_code == 200, resp.text
+    assert router.metric('pdserve_router_retries_total{reason="connection"}') == 3
+    assert len(decode.bodies()) == 4
 
 
 # ---- DP awareness, policies, health ------------------------------------------------------

@@ -93,6 +93,43 @@ def test_health_unknown_until_first_pass_then_removed_after_threshold():
     assert t.record(True) == (HealthState.UNHEALTHY, HealthState.HEALTHY)
 
 
+def test_a_confirmed_failure_counts_as_the_whole_threshold():
+    t = HealthTracker(failure_threshold=3)
+    t.record(True)
+    assert t.record(False, "leg refused, then the probe", down=True) == (HealthState.HEALTHY, HealthState.UNHEALTHY)
+
+
+def test_a_failed_leg_is_probed_once_and_the_probe_decides():
+    """HealthLoop.confirm: concurrent leg failures of one server share one probe; a passing probe
+    keeps the server in selection however many legs failed, a failed one takes it out at once."""
+    import asyncio
+
+    from pdserve.router.health import HealthLoop
+
+    async def scenario():
+        up = Upstream("http://d", Role.DECODE, HealthTracker(failure_threshold=3))
+        up.health.record(True)
+        calls, answer, changes = [], {"ok": True}, []
+
+        async def probe(u):
+            calls.append(u.url)
+            await asyncio.sleep(0.01)
+            if not answer["ok"]:
+                raise ConnectionRefusedError("refused")
+
+        loop = HealthLoop([up], probe, 60.0, lambda u, old, new: changes.append(new))
+        tasks = [loop.confirm(up, "cut") for _ in range(5)]  # a burst of cut connections
+        await asyncio.gather(*tasks)
+        assert len(calls) == 1 and up.health.selectable and up.health.failures == 0
+        answer["ok"] = False
+        await loop.confirm(up, "connection reset")
+        assert len(calls) == 2 and not up.health.selectable and changes == [HealthState.UNHEALTHY]
+        assert "connection reset; then a probe failed: ConnectionRefusedError" in up.health.last_error
+        await loop.close()
+
+    asyncio.run(scenario())
+
+
 # ---- PD bodies ----------------------------------------------------------------------------
 def test_parse_client_body_rejects_bad_json_and_non_objects():
     assert parse_client_body(b'{"text": "x"}') == {"text": "x"}
