@@ -3,7 +3,8 @@
 `sampling_params` takes SGLang's names (SamplingParams.from_json): penalties, min_new_tokens and
 logit_bias work; `json_schema` (JSON text), `regex` and `ebnf` constrain the output (one of them;
 a bad one is a 400 with the grammar library's message); structural_tag and stop_regex are
-refused with a 400 naming the field. `return_logprob` gives the prompt's and the sampled tokens' logprobs;
+refused with a 400 naming the field; skip_special_tokens, spaces_between_special_tokens and
+no_stop_trim shape the text (server/text_options.py). `return_logprob` gives the prompt's and the sampled tokens' logprobs;
 `top_logprobs_num` (up to 20) adds each position's most likely alternatives (meta_info
 input_top_logprobs / output_top_logprobs, entries [logprob, token id, text or null]).
 """
@@ -21,6 +22,7 @@ from .sampling_defaults import with_defaults
 from .protocol import RequestItem, build_items, check_token_ids, opt_bool, opt_int
 from .request_state import ItemProgress
 from .structured_outputs import check_sampling
+from .text_options import sglang_text_options
 from .tokenizer import ServerTokenizer
 
 
@@ -85,7 +87,8 @@ def parse_generate(body: dict, tok: ServerTokenizer, opts: ApiOptions | None = N
     top = opt_int(body, "top_logprobs_num", 0, MAX_TOP_LOGPROBS) or 0
     if top and not return_logprob:
         raise BadRequest("top_logprobs_num needs return_logprob: true")
-    items = build_items(body, prompts, sampling, given, return_logprob, top)
+    text = [sglang_text_options(x) for x in raw]
+    items = build_items(body, prompts, sampling, given, return_logprob, top, text=text)
     return NativeCall(items, opt_bool(body, "stream"), batched or len(items) > 1,
                       opt_bool(body, "return_text_in_logprobs"), opt_bool(body, "return_timeline"))
 

@@ -8,7 +8,9 @@ same body. Unknown fields are ignored; a standard field asking for what this ser
 vLLM `structured_outputs` and `guided_*`, SGLang's `json_schema` / `regex` / `ebnf`) become the
 request's grammar, checked here (server/structured_outputs.py; a bad one is a 400).
 Logprobs: chat `logprobs` + `top_logprobs` (0..20), completions `logprobs` (0..20) and `echo`
-(the prompt back, with its tokens' logprobs when `logprobs` is set).
+(the prompt back, with its tokens' logprobs when `logprobs` is set). skip_special_tokens,
+spaces_between_special_tokens, SGLang's no_stop_trim and vLLM's include_stop_str_in_output
+shape the text (server/text_options.py).
 Chat messages, tools and tool_choice: server/chat_request.py; generation_config defaults fill
 the sampling fields a body leaves unset (server/sampling_defaults.py).
 """
@@ -27,6 +29,7 @@ from .refused_fields import refuse_openai
 from .protocol import RequestItem, build_items, check_token_ids, is_int, opt_bool, opt_int, opt_str
 from .sampling_defaults import with_defaults
 from .structured_outputs import parse_structured, with_grammar
+from .text_options import openai_text_options
 from .tokenizer import ServerTokenizer
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos", "seed", "n",
@@ -102,7 +105,7 @@ def _call(body: dict, prompts: list[list[int]], sampling: SamplingParams, given:
           logprobs: bool, top: int = 0, echo_texts: tuple[str, ...] | None = None) -> OpenAICall:
     prompt_lp = PromptLogprobs.IN_REPLY if echo_texts is not None and logprobs else PromptLogprobs.NONE
     items = build_items(body, prompts, [sampling] * len(prompts), [given] * len(prompts), logprobs, top,
-                        prompt_lp)
+                        prompt_lp, [openai_text_options(body)] * len(prompts))
     stream, include_usage = _stream_flags(body)
     return OpenAICall(items, sampling.n, stream, include_usage, logprobs, opt_str(body, "model"), top,
                       echo_texts)

@@ -19,6 +19,7 @@ from ..core.messages import PDParams
 from ..core.pd_vocab import DEFAULT_BOOTSTRAP_PORT, MAX_ROOM
 from ..core.sampling import SamplingParams
 from .resume import Resume, check_resumable, continue_sampling, parse_resume
+from .text_options import TextOptions
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class RequestItem:
     top_logprobs: int = 0  # alternatives with every returned logprob
     prompt_logprobs: PromptLogprobs = PromptLogprobs.WITH_RETURN_LOGPROB
     resume: Resume | None = None  # a migrated answer: input_ids end with resume.ids (server/resume.py)
+    text: TextOptions = TextOptions()  # special tokens and stop strings in the text (text_options.py)
 
 
 def is_int(v: Any) -> bool:
@@ -146,8 +148,10 @@ def check_token_ids(ids: Any, key: str) -> list[int]:
 
 def build_items(body: dict, prompts: list[list[int]], sampling: list[SamplingParams],
                 max_new_given: list[bool], return_logprob: bool, top_logprobs: int = 0,
-                prompt_logprobs: PromptLogprobs = PromptLogprobs.WITH_RETURN_LOGPROB) -> list[RequestItem]:
-    """Expand prompts x n into items, prompt-major, with rids and PD fields from the body."""
+                prompt_logprobs: PromptLogprobs = PromptLogprobs.WITH_RETURN_LOGPROB,
+                text: list[TextOptions] | None = None) -> list[RequestItem]:
+    """Expand prompts x n into items, prompt-major, with rids and PD fields from the body;
+    `text`: each prompt's text options (default: TextOptions())."""
     n = sampling[0].n
     if any(s.n != n for s in sampling):
         raise BadRequest("every prompt of one request must use the same n")
@@ -160,6 +164,7 @@ def build_items(body: dict, prompts: list[list[int]], sampling: list[SamplingPar
         check_resumable(len(prompts), n)
         prompts = [list(prompts[0]) + list(resume.ids)]
         sampling = [continue_sampling(sampling[0], resume)]
+    text = text or [TextOptions()] * len(prompts)
     items = []
     for i, prompt in enumerate(prompts):
         for j in range(n):
@@ -168,5 +173,5 @@ def build_items(body: dict, prompts: list[list[int]], sampling: list[SamplingPar
             if j and sp.seed is not None:
                 sp = sp.replace(seed=(sp.seed + j) % MAX_ROOM)
             items.append(RequestItem(k, ids_[k], prompt, sp, max_new_given[i], return_logprob,
-                                     routed[k], pds[k], top_logprobs, prompt_logprobs, resume))
+                                     routed[k], pds[k], top_logprobs, prompt_logprobs, resume, text[i]))
     return items

@@ -1,6 +1,8 @@
 """The front's view of one request item while it runs: output ids, incremental text with stop
 strings applied, logprobs, finish reason or error, and the timeline stages recorded so far
-(its own and its worker's). Both reply styles (native, OpenAI) and the metrics read it."""
+(its own and its worker's). Both reply styles (native, OpenAI) and the metrics read it.
+The item's TextOptions (text_options.py) say whether special tokens are skipped and whether a
+matched stop string or stop token stays in the text."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from ..core.messages import ErrorInfo, TokenOutput
 from ..core.timeline import Stage, build_timeline
 from .detokenizer import IncrementalDetokenizer
 from .protocol import RequestItem
+from .text_options import StopInText
 from .tokenizer import ServerTokenizer
 
 
@@ -31,8 +34,10 @@ class ItemProgress:
     def __init__(self, item: RequestItem, tokenizer: ServerTokenizer, arrival: float | None = None):
         self.item = item
         self.resumed = len(item.resume.ids) if item.resume else 0  # output ids generated before a migration
-        self.detok = IncrementalDetokenizer(tokenizer, item.input_ids[:len(item.input_ids) - self.resumed])
+        self.detok = IncrementalDetokenizer(tokenizer, item.input_ids[:len(item.input_ids) - self.resumed],
+                                            item.text.skip_special_tokens)
         self.stops = item.sampling.stop
+        self.stop_in_text = item.text.stop_in_text
         self.max_stop = max((len(s) for s in self.stops), default=0)
         self.arrival = time.monotonic() if arrival is None else arrival
         self.text = ""
@@ -75,8 +80,9 @@ class ItemProgress:
         return self.item.rid
 
     def visible_text(self) -> str:
-        """Text safe to show now: a tail that may become a stop string waits for more tokens."""
-        if self.finished or not self.stops:
+        """Text safe to show now: a tail that may become a stop string waits for more tokens
+        (unless a matched stop string stays in the text anyway)."""
+        if self.finished or not self.stops or self.stop_in_text is not StopInText.TRIM:
             return self.text
         return self.text[:len(self.text) - held_back(self.text, self.stops)]
 
@@ -117,7 +123,8 @@ class ItemProgress:
                 self.output_logprobs.append(out.token_logprobs[k])
             if out.top_logprobs is not None and k < len(out.top_logprobs):
                 self.output_top_logprobs.append(out.top_logprobs[k])
-            if isinstance(matched, int) and k == len(ids) - 1 and tid == matched:
+            if isinstance(matched, int) and k == len(ids) - 1 and tid == matched \
+                    and self.stop_in_text is StopInText.TRIM:
                 break  # a matched stop token is reported but not shown as text
             if self._add_text(self.detok.add(tid)):
                 return True
@@ -138,7 +145,10 @@ class ItemProgress:
         if not hits:
             return False
         pos, stop = min(hits)
-        self.text = self.text[:pos]
+        if self.stop_in_text is StopInText.TRIM:
+            self.text = self.text[:pos]
+        elif self.stop_in_text is StopInText.THROUGH_STOP:
+            self.text = self.text[:pos + len(stop)]
         self._finish({"type": "stop", "matched": stop})
         return True
 
