@@ -6,7 +6,9 @@ The tokenizer is rebuilt from the GGUF metadata (see gguf_tokenizer.py). Phi-3 k
 fused weights, and its longrope factors come from the rope_factors_* tensors.
 Sliding windows: `{arch}.attention.sliding_window` where written; a Mistral 7B v0.1 file
 written without it (llama architecture, RoPE base 10000, context past 4096) gets that
-model's known 4096-token window rather than full attention.
+model's known 4096-token window rather than full attention. Experts (Mixtral, Qwen2/3-MoE)
+are split back into HF's per-expert tensors (gguf_experts.py); Gemma 2/3 norms lose the +1
+llama.cpp folds into them, and their config follows llama.cpp's rules (gguf_gemma.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
 
+from .gguf_experts import MIXTRAL, QWEN2_MOE, QWEN3_MOE, ExpertNames, check_layout, expert_tensors, \
+    is_expert_tensor, moe_config
+from .gguf_gemma import GEMMA_LAYER_NAMES, gemma_config
 from .gguf_tokenizer import GGUFTokenizerData, build_tokenizer, tokenizer_config
 from .hf_config import UnsupportedModel
 
@@ -34,12 +39,18 @@ class ArchSpec:
     model_type: str
     unpermute_qk: bool  # llama.cpp permutes q/k rows for the llama architecture only
     layer_names: tuple[tuple[str, str], ...] = ()  # this architecture's own tensor names
+    norm_shift: float = 0.0  # llama.cpp adds this to every *norm.weight (Gemma: 1)
+    experts: ExpertNames | None = None  # HF names of routed experts, where the file has them
 
 
 GGUF_ARCHITECTURES = {
-    "llama": ArchSpec("LlamaForCausalLM", "llama", True),
+    "llama": ArchSpec("LlamaForCausalLM", "llama", True, experts=MIXTRAL),  # Mixtral: llama + experts
     "qwen2": ArchSpec("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ArchSpec("Qwen3ForCausalLM", "qwen3", False),
+    "qwen2moe": ArchSpec("Qwen2MoeForCausalLM", "qwen2_moe", False, experts=QWEN2_MOE),
+    "qwen3moe": ArchSpec("Qwen3MoeForCausalLM", "qwen3_moe", False, experts=QWEN3_MOE),
+    "gemma2": ArchSpec("Gemma2ForCausalLM", "gemma2", False, GEMMA_LAYER_NAMES, norm_shift=1.0),
+    "gemma3": ArchSpec("Gemma3ForCausalLM", "gemma3_text", False, GEMMA_LAYER_NAMES, norm_shift=1.0),
     # Phi-3 keeps HF's fused q/k/v and gate/up weights (ffn_up holds gate rows, then up rows)
     "phi3": ArchSpec("Phi3ForCausalLM", "phi3", False,
                      (("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj"))),
@@ -109,8 +120,16 @@ def convert_tensors(reader: GGUFReader, spec: ArchSpec, n_heads: int, n_kv_heads
                                    "use the HF directory instead")
         if t.name in ROPE_FACTORS:  # Phi-3 longrope: config values, see rope_factors
             continue
-        name = hf_name(t.name, spec)
+        check_layout(t.name)
+        m = _LAYER_RE.fullmatch(t.name)
+        expert = m is not None and is_expert_tensor(spec.experts, m.group(2))
+        name = "" if expert else hf_name(t.name, spec)
         w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if expert:
+            out.update(expert_tensors(spec.experts, int(m.group(1)), m.group(2), m.group(3), w))
+            continue
+        if spec.norm_shift and t.name.endswith("norm.weight"):
+            w = w - np.float32(spec.norm_shift)
         if spec.unpermute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_rows(w, n_heads)
         elif spec.unpermute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -126,8 +145,10 @@ def rope_factors(reader: GGUFReader) -> dict[str, list[float]]:
 
 
 def hf_config(meta: GGUFMetadata, spec: ArchSpec, arch: str, vocab_size: int, tied: bool,
-              eos_ids: list[int], factors: dict[str, list[float]] | None = None) -> dict:
-    """A config.json for transformers' AutoModelForCausalLM (and our ModelConfig)."""
+              eos_ids: list[int], factors: dict[str, list[float]] | None = None,
+              moe: dict | None = None) -> dict:
+    """A config.json for transformers' AutoModelForCausalLM (and our ModelConfig); `moe`:
+    the expert keys (gguf_experts.moe_config) where the file has experts."""
     hidden = int(meta.require(f"{arch}.embedding_length"))
     heads = int(meta.require(f"{arch}.attention.head_count"))
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
@@ -155,15 +176,21 @@ def hf_config(meta: GGUFMetadata, spec: ArchSpec, arch: str, vocab_size: int, ti
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
         "torch_dtype": "float32",
     }
-    if spec.model_type == "llama":
+    if moe:
+        cfg.update(architectures=[spec.experts.hf_architecture], model_type=spec.experts.model_type, **moe)
+        if spec.experts is MIXTRAL:
+            cfg["sliding_window"] = int(meta.get(f"{arch}.attention.sliding_window") or 0) or None
+    elif spec.model_type == "llama":
         cfg["attention_bias"] = False
         window = sliding_window(meta, arch)
         if window:  # Mistral: Llama's layout plus a window on every layer
             cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=window)
-    if spec.model_type in ("qwen2", "qwen3"):
+    if spec.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         cfg["use_sliding_window"] = False
     if spec.model_type == "phi3":
         cfg.update(_phi3_config(meta, arch, cfg, factors or {}))
+    if spec.norm_shift:
+        cfg = gemma_config(meta, arch, cfg)
     return cfg
 
 
@@ -199,8 +226,9 @@ def sliding_window(meta: GGUFMetadata, arch: str) -> int | None:
 
 
 def tokenizer_data(meta: GGUFMetadata, arch: str) -> GGUFTokenizerData:
+    model = meta.require("tokenizer.ggml.model")
     return GGUFTokenizerData(
-        model=meta.require("tokenizer.ggml.model"),
+        model=model,
         pre=meta.get("tokenizer.ggml.pre", "default"),
         tokens=list(meta.require("tokenizer.ggml.tokens")),
         token_types=list(meta.get("tokenizer.ggml.token_type", [])),
@@ -209,9 +237,11 @@ def tokenizer_data(meta: GGUFMetadata, arch: str) -> GGUFTokenizerData:
         eos_id=meta.get("tokenizer.ggml.eos_token_id"),
         unk_id=meta.get("tokenizer.ggml.unknown_token_id"),
         pad_id=meta.get("tokenizer.ggml.padding_token_id"),
-        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama")),  # llama.cpp's defaults
         chat_template=meta.get("tokenizer.chat_template"),
         context_length=int(meta.get(f"{arch}.context_length", 2048)),
+        scores=tuple(float(x) for x in meta.get("tokenizer.ggml.scores", [])),
+        add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
     )
 
 
@@ -231,8 +261,12 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     eos_ids = [i for i in (tok_data.eos_id, meta.get("tokenizer.ggml.eot_token_id")) if i is not None]
     eos_ids = list(dict.fromkeys(eos_ids))
     vocab_size = tensors["model.embed_tokens.weight"].shape[0]
+    moe = None
+    routers = spec.experts is not None and any(n.endswith(f".{spec.experts.base}gate.weight") for n in tensors)
+    if spec.experts is not None and (spec.experts is not MIXTRAL or routers):
+        moe = moe_config(meta, arch, spec.experts, tensors, int(meta.require(f"{arch}.block_count")))
     config = hf_config(meta, spec, arch, vocab_size, "lm_head.weight" not in tensors, eos_ids,
-                       rope_factors(reader))
+                       rope_factors(reader), moe)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     del tensors
     build_tokenizer(tok_data).save(os.path.join(out_dir, "tokenizer.json"))

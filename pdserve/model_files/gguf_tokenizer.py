@@ -1,8 +1,9 @@
 """Rebuild an HF `tokenizer.json` + `tokenizer_config.json` from a GGUF's tokenizer metadata.
 
-Only byte-level BPE vocabularies (`tokenizer.ggml.model = gpt2`) are supported. The text split
-before BPE follows llama.cpp's `tokenizer.ggml.pre` type, so token ids match what the model was
-trained on (e.g. `smollm` splits every numeric character apart, as SmolLM2's own tokenizer does).
+Byte-level BPE vocabularies (`tokenizer.ggml.model = gpt2`) and SentencePiece BPE ones
+(`llama`, see gguf_spm.py) are supported. For byte-level BPE the text split before BPE follows
+llama.cpp's `tokenizer.ggml.pre` type, so token ids match what the model was trained on (e.g.
+`smollm` splits every numeric character apart, as SmolLM2's own tokenizer does).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from .gguf_spm import build_spm_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,8 @@ class GGUFTokenizerData:
     add_bos: bool
     chat_template: str | None
     context_length: int
+    scores: tuple[float, ...] = ()  # tokenizer.ggml.scores (SentencePiece)
+    add_space_prefix: bool = True  # tokenizer.ggml.add_space_prefix (SentencePiece)
 
 
 @lru_cache(maxsize=1)
@@ -92,8 +97,15 @@ def _pre_tokenizer(pre: str):
 
 def build_tokenizer(data: GGUFTokenizerData) -> Tokenizer:
     """A `tokenizers.Tokenizer` equivalent to the GGUF's tokenizer."""
+    if data.model == "llama":
+        tok = build_spm_tokenizer(data.tokens, list(data.scores), data.token_types, data.unk_id,
+                                  data.add_space_prefix)
+        if data.add_bos and data.bos_id is not None:
+            tok.post_processor = _bos_template(data)
+        return tok
     if data.model != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {data.model!r} is not supported (byte-level BPE 'gpt2' only)")
+        raise ValueError(f"GGUF tokenizer model {data.model!r} is not supported "
+                         f"(byte-level BPE 'gpt2' and SentencePiece 'llama' only)")
     alphabet = set(byte_alphabet().values())
     vocab = {_spell(t, alphabet): i for i, t in enumerate(data.tokens)}
     merges = [tuple(m.split(" ", 1)) for m in data.merges]
@@ -101,9 +113,7 @@ def build_tokenizer(data: GGUFTokenizerData) -> Tokenizer:
     tok.pre_tokenizer = _pre_tokenizer(data.pre)
     tok.decoder = decoders.ByteLevel()
     if data.add_bos and data.bos_id is not None:
-        bos = data.tokens[data.bos_id]
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, data.bos_id)])
+        tok.post_processor = _bos_template(data)
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     types = data.token_types or [0] * len(data.tokens)
@@ -117,6 +127,12 @@ def build_tokenizer(data: GGUFTokenizerData) -> Tokenizer:
     if user:
         tok.add_tokens(user)
     return tok
+
+
+def _bos_template(data: GGUFTokenizerData) -> processors.TemplateProcessing:
+    bos = data.tokens[data.bos_id]
+    return processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1",
+                                         special_tokens=[(bos, data.bos_id)])
 
 
 def tokenizer_config(data: GGUFTokenizerData) -> dict:
