@@ -3,6 +3,8 @@
 # tests/netns.py builds them): the sender in one, the receiver in the other, so every byte
 # crosses veth -> bridge -> veth. Needs root. Removes everything it made on exit.
 #   sudo scripts/bench_kv_netns.sh [kv-remote run flags, e.g. --tokens 1024,8192 --backends tcp]
+#   (--backends tcp,tcp:4194304 puts the tcp backend with 4 MiB socket buffers beside the default;
+#   UCX_TLS=tcp in the environment keeps nixl on UCX's TCP transport, as between hosts without RDMA)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

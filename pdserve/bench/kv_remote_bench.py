@@ -4,9 +4,11 @@
 backend of each kind, a raw socket); `pdserve bench kv-remote run --peer B:PORT --host A` on host
 A moves one prompt's KV (the default model's layout, as `pdserve bench kv`) to it, each backend
 and the raw socket in turn, rounds interleaved. A round runs from the first byte sent until the
-receiver's acknowledgement arrives (a message back over the same backend; one byte for raw), so
+receiver's acknowledgement arrives (a message back over the same backend; 9 bytes for raw), so
 every kind pays the same extra one-way trip. Bytes are checked by digest after each prompt.
-Prints median GB/s and the medians of the paired (same round) ratios against raw.
+Prints median GB/s, the medians of the paired (same round) ratios against raw, and each side's
+process CPU seconds per GB moved (the receiver's read at its acknowledgement): CPU per byte
+moves less with other load than wall-clock rates do on a shared machine.
 scripts/bench_kv_netns.sh runs both sides in two network namespaces joined by a veth bridge.
 """
 
@@ -17,6 +19,7 @@ import hashlib
 import json
 import socket
 import statistics
+import struct
 import threading
 import time
 
@@ -28,6 +31,13 @@ from .transfer_bench import permuted_runs
 
 MIB = 1 << 20
 ROUND_DEADLINE_S = 120.0
+
+
+def _backend(kind: str):
+    """A backend by bench kind: a backend name, or `tcp:N` for the tcp backend with
+    sockbuf_bytes=N (its socket buffers to another host; 0 = the kernel's autotuning)."""
+    name, _, sockbuf = kind.partition(":")
+    return create_backend(name, sockbuf_bytes=int(sockbuf)) if sockbuf else create_backend(name)
 
 
 def _send_json(f, obj) -> None:
@@ -73,7 +83,7 @@ def serve(host: str, port: int) -> None:
     try:
         for k in kinds:
             pools[k], layout = pool(dst_pages, seed=None)
-            backends[k] = create_backend(k)
+            backends[k] = _backend(k)
             backends[k].start(layout, host=host)
         threads = [threading.Thread(target=_acker, args=(backends[k], stop), daemon=True) for k in kinds]
         for t in threads:
@@ -103,7 +113,7 @@ def _acker(backend, stop: threading.Event) -> None:
     while not stop.is_set():
         for sender, msg in backend.recv(0.5):
             if "done" in msg:
-                backend.send(sender, {"ack": msg["done"]})
+                backend.send(sender, {"ack": msg["done"], "cpu": time.process_time()})
 
 
 def _raw_acker(sock: socket.socket, buf: np.ndarray, stop: threading.Event) -> None:
@@ -113,7 +123,7 @@ def _raw_acker(sock: socket.socket, buf: np.ndarray, stop: threading.Event) -> N
             hdr = bytearray(8)
             _recv_exact(sock, memoryview(hdr))
             _recv_exact(sock, view[:int.from_bytes(hdr, "little")])
-            sock.sendall(b"k")
+            sock.sendall(b"k" + struct.pack("!d", time.process_time()))
     except OSError:
         pass
 
@@ -131,27 +141,30 @@ class Sender:
         self.peers, self.layouts = info["endpoints"], info["layouts"]
         self.backends = {}
         for k in kinds:
-            self.backends[k] = create_backend(k)
+            self.backends[k] = _backend(k)
             self.backends[k].start(src_layout, host=host)
         self.raw = socket.create_connection((phost.strip("[]"), info["raw_port"]), timeout=30)
         self.raw.settimeout(ROUND_DEADLINE_S)
 
-    def round(self, kind: str, src: list[int], dst: list[int], tag: int) -> float:
-        t0 = time.perf_counter()
+    def round(self, kind: str, src: list[int], dst: list[int], tag: int) -> tuple[float, float, float]:
+        """(seconds, this process's CPU seconds, the receiver's process CPU clock at its ack)."""
+        t0, c0 = time.perf_counter(), time.process_time()
         if kind == "raw":
             nbytes = REGIONS * len(src) * PAGE_BYTES
             self.raw.sendall(nbytes.to_bytes(8, "little"))
             self.raw.sendall(memoryview(self.src)[:nbytes])
-            if self.raw.recv(1) != b"k":
-                raise ConnectionError("raw receiver closed")
-            return time.perf_counter() - t0
+            ack = bytearray(9)
+            _recv_exact(self.raw, memoryview(ack))
+            if ack[:1] != b"k":
+                raise ConnectionError("raw receiver sent a bad acknowledgement")
+            return time.perf_counter() - t0, time.process_time() - c0, struct.unpack("!d", ack[1:])[0]
         b = self.backends[kind]
         b.write_pages(self.peers[kind], self.layouts[kind], src, dst)
         b.send(self.peers[kind], {"done": tag})
-        while not any(m.get("ack") == tag for _, m in b.recv(1.0)):
+        while not (acks := [m for _, m in b.recv(1.0) if m.get("ack") == tag]):
             if time.perf_counter() - t0 > ROUND_DEADLINE_S:
                 raise TimeoutError(f"{kind} round {tag}: no acknowledgement within {ROUND_DEADLINE_S}s")
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0, acks[0]["cpu"]
 
     def check(self, kind: str, src: list[int], dst: list[int]) -> None:
         """The receiver's digest of what landed equals ours of what was sent."""
@@ -178,9 +191,10 @@ def run(args) -> None:
     lengths = [int(t) for t in args.tokens.split(",")]
     kinds = []
     for k in [b for b in args.backends.split(",") if b]:
-        if k not in BACKENDS:
-            raise SystemExit(f"unknown backend {k}; choose from {', '.join(BACKENDS)}")
-        if problem := PROBES[k]():
+        name, _, sockbuf = k.partition(":")
+        if name not in BACKENDS or (sockbuf and (name != "tcp" or not sockbuf.isdigit())):
+            raise SystemExit(f"unknown backend {k}; choose from {', '.join(BACKENDS)} or tcp:SOCKBUF_BYTES")
+        if problem := PROBES[name]():
             print(f"{k} skipped: {problem}")
         else:
             kinds.append(k)
@@ -193,24 +207,32 @@ def run(args) -> None:
         print(f"KV of one prompt to {args.peer}, {REGIONS} regions x {PAGE_BYTES} B pages, decode pages in "
               f"shuffled runs of {args.run_pages}, medians of >= {args.repeats} interleaved rounds")
         print(f"{'tokens':>6} {'MiB':>7} " + " ".join(f"{c + ' GB/s':>13}" for c in cols) + " "
-              + " ".join(f"{k + '/raw':>12}" for k in kinds))
+              + " ".join(f"{k + '/raw':>12}" for k in kinds) + "   CPU s/GB sender|receiver: "
+              + " ".join(f"{c:>13}" for c in cols))
         for tokens in lengths:
             n = -(-tokens // PAGE_TOKENS)
             nbytes = REGIONS * n * PAGE_BYTES
             src, dst = list(range(n)), permuted_runs(dst_pages, args.run_pages, rng)[:n]
             rounds = min(101, max(args.repeats, (256 * MIB) // nbytes))
             secs: dict[str, list[float]] = {k: [] for k in cols}
+            cpu: dict[str, list[tuple[float, float]]] = {k: [] for k in cols}
+            rx_clock = None  # the receiver's CPU clock at the previous acknowledgement
             for i in range(rounds + 1):  # round 0 warms up
                 for k in cols[i % len(cols):] + cols[:i % len(cols)]:
-                    t = s.round(k, src, dst, i)
+                    t, tx_cpu, rx_at = s.round(k, src, dst, i)
                     if i:
                         secs[k].append(t)
+                        cpu[k].append((tx_cpu, rx_at - rx_clock))
+                    rx_clock = rx_at
             for k in cols:
                 s.check(k, src, dst)
             gbs = {k: nbytes / statistics.median(v) / 1e9 for k, v in secs.items()}
             ratios = {k: statistics.median(tr / tk for tk, tr in zip(secs[k], secs["raw"])) for k in kinds}
+            per_gb = {k: "|".join(f"{statistics.median(c[j] for c in v) / nbytes * 1e9:.2f}" for j in (0, 1))
+                      for k, v in cpu.items()}
             print(f"{tokens:>6} {nbytes / MIB:>7.1f} " + " ".join(f"{gbs[c]:>13.2f}" for c in cols) + " "
-                  + " ".join(f"{ratios[k]:>12.2f}" for k in kinds), flush=True)
+                  + " ".join(f"{ratios[k]:>12.2f}" for k in kinds) + "                            "
+                  + " ".join(f"{per_gb[c]:>13}" for c in cols), flush=True)
     finally:
         s.close()
 
@@ -227,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     rn.add_argument("--tokens", default="1024,4096,8192,16384", help="prompt lengths")
     rn.add_argument("--repeats", type=int, default=9)
     rn.add_argument("--run-pages", type=int, default=16)
-    rn.add_argument("--backends", default=",".join(BACKENDS))
+    rn.add_argument("--backends", default=",".join(BACKENDS),
+                    help="kinds to compare with raw; tcp:N is the tcp backend with N-byte socket buffers "
+                         "to another host (e.g. tcp,tcp:4194304 puts the default beside 4 MiB)")
     args = ap.parse_args(argv)
     if args.side == "serve":
         serve(args.host, args.port)

@@ -458,8 +458,17 @@ def test_tcp_socket_buffers_follow_the_peer_host():
         for s in (out, inbound):  # Linux reports twice the size set (bookkeeping overhead)
             assert s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == 2 * (192 << 10)
             assert s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * (192 << 10)
-        # the listener keeps the big buffers: they set the window scale a remote peer needs
-        assert b._listener.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) > 2 * (192 << 10)
+        # the listener is left to autotuning (sockbuf_bytes=0): the window scale set at SYN then
+        # covers what the kernel may grow to for a remote peer
+        with socket.socket() as untouched:
+            default = untouched.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        assert b._listener.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == default
     finally:
         a.close()
         b.close()
+    fixed = TcpBackend(sockbuf_bytes=1 << 20)  # a fixed size for other hosts reaches the listener
+    try:
+        fixed.start(Pool(2, 8, 128).layout)
+        assert fixed._listener.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == 2 * (1 << 20)
+    finally:
+        fixed.close()

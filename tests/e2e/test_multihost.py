@@ -4,8 +4,10 @@ test makes (tests/netns.py), so every byte between them crosses a veth, and noth
 The servers exercise bind vs advertise: the tcp prefill binds `::` and advertises its IPv6
 address (the router reaches it over IPv6), the tcp decode binds its IPv4 address, the mooncake
 prefill binds its IPv4 address (issue 18's `--host 127.0.0.2` case: its workers must register at
-the bound address), the mooncake decode binds 0.0.0.0 and advertises its only address. Greedy
-output through our router and through sglang-router, each in its own namespace, equals a
+the bound address), the mooncake decode binds 0.0.0.0 and advertises its only address; the nixl
+pair binds its IPv4 addresses with UCX held to its TCP transport (else UCX would move the pages
+between namespaces of one kernel through memory, never over the veth). Greedy output through our
+router (for every backend) and through sglang-router, each in its own namespace, equals a
 colocated server's. Then the network faults: delay and loss on the pages' path (a test-owned TCP
 proxy the tcp decode advertises, tests/tcp_proxy.py), a bandwidth cap (tc tbf), the prefill cut off
 (its veth down) while its room prefills (the decode's heartbeat fails it) or while its pages
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import sys
 import time
 import types
@@ -29,6 +32,7 @@ import netns  # noqa: E402
 from cluster import ROOT, Server, free_port  # noqa: E402
 from tcp_proxy import FaultyProxy  # noqa: E402
 from pdserve.transfer.mooncake import import_problem as mooncake_problem  # noqa: E402
+from pdserve.transfer.nixl import import_problem as nixl_problem  # noqa: E402
 from fault_tools import (KnobServer, Legs, error_of, flush_cache, prefilling, shared_tiny_model,  # noqa: E402
                          transferring, wait_for)
 
@@ -38,6 +42,9 @@ if _why:
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 MOONCAKE_PROBLEM = mooncake_problem()
+NIXL_PROBLEM = nixl_problem()
+PROBLEMS = {"tcp": None, "mooncake": MOONCAKE_PROBLEM, "nixl": NIXL_PROBLEM}
+NIXL_ENV = {"UCX_TLS": "tcp"}  # what UCX has between hosts without RDMA
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 PROMPTS = ["Hello world", "The capital of France is"]
@@ -63,7 +70,7 @@ def lan():
 
 @pytest.fixture(scope="module")
 def hosts(lan):
-    return types.SimpleNamespace(**{n: lan.host(n) for n in ("pt", "dt", "pm", "dm", "router", "sgl")})
+    return types.SimpleNamespace(**{n: lan.host(n) for n in ("pt", "dt", "pm", "dm", "pn", "dn", "router", "sgl")})
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +100,16 @@ def servers(tmp_path_factory, logs, hosts, lan, proxy):
                                             extra=["--transfer-backend", "mooncake"])
             started["dm"] = netns.ns_server(Server, hosts.dm, "decode", model, log_dir=logs,
                                             extra=["--host", "0.0.0.0", "--transfer-backend", "mooncake"])
+        if NIXL_PROBLEM is None:
+            for name, role in (("pn", "prefill"), ("dn", "decode")):
+                started[name] = netns.ns_server(Server, getattr(hosts, name), role, model, log_dir=logs,
+                                                env=NIXL_ENV, extra=["--transfer-backend", "nixl"])
         for s in started.values():
             s.wait_ready(timeout=90)
         yield types.SimpleNamespace(**started)
     finally:
+        for s in started.values():  # every front told first, so the shutdowns overlap
+            s.kill(signal.SIGTERM)
         for s in started.values():
             s.stop()
 
@@ -144,6 +157,8 @@ def routers(servers, hosts, logs):
         if MOONCAKE_PROBLEM is None:
             made["mooncake"] = NsRouter(hosts.router, servers.pm.url, servers.pm.bootstrap_port, servers.dm.url,
                                         logs)
+        if NIXL_PROBLEM is None:
+            made["nixl"] = NsRouter(hosts.router, servers.pn.url, servers.pn.bootstrap_port, servers.dn.url, logs)
         for r in made.values():
             r.wait_serving()
         yield made
@@ -180,12 +195,16 @@ def test_workers_register_and_advertise_what_peers_reach(servers, hosts):
     assert rank0(servers.pt)["rank_ip"] == hosts.pt.ip6  # bound ::, told its IPv6 address
     if MOONCAKE_PROBLEM is None:
         assert rank0(servers.pm)["rank_ip"] == hosts.pm.ip  # bound a non-loopback address
+    if NIXL_PROBLEM is None:
+        ep = rank0(servers.pn)
+        assert ep["rank_ip"] == hosts.pn.ip and ep["endpoint"]["backend"] == "nixl", ep
+        assert ep["endpoint"]["ip"] == hosts.pn.ip, ep  # its control channel's, as the agent's peers see it
 
 
-@pytest.mark.parametrize("backend", ["tcp", "mooncake"])
+@pytest.mark.parametrize("backend", ["tcp", "mooncake", "nixl"])
 def test_pd_across_hosts_equals_colocated(routers, reference, backend):
-    if backend == "mooncake" and MOONCAKE_PROBLEM:
-        pytest.skip(f"mooncake backend unavailable: {MOONCAKE_PROBLEM}")
+    if PROBLEMS[backend]:
+        pytest.skip(f"{backend} backend unavailable: {PROBLEMS[backend]}")
     for p in [*PROMPTS, LONG]:
         assert generate(routers[backend].url, p) == reference[p], p
 
