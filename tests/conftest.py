@@ -35,3 +35,33 @@ def link(request) -> Link:
     return lk
 
 
+BORROWERS = pytest.StashKey()
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: count the modules that will run
+def pytest_collection_modifyitems(config, items):
+    from shared_servers import count_borrowers
+
+    modules = {id(m): m for m in (getattr(i, "module", None) for i in items) if m is not None}
+    config.stash[BORROWERS] = count_borrowers(modules.values())
+
+
+@pytest.fixture(scope="session")
+def shared_servers(request, tmp_path_factory):
+    """Plain servers, started once and lent to the e2e modules that declare them (see
+    shared_servers.py); each stopped after its last borrower, the rest at the session's end."""
+    from fault_tools import shared_tiny_model
+    from shared_servers import SharedServers
+
+    pool = SharedServers(lambda: shared_tiny_model(tmp_path_factory),
+                         str(tmp_path_factory.mktemp("shared_servers")), request.config.stash.get(BORROWERS, None))
+    yield pool
+    pool.stop_all()
+
+
+@pytest.fixture(scope="session")
+def kernel_cache_dir(tmp_path_factory) -> str:
+    """One build folder for our C kernels per session: the tests that only need a built kernel
+    compile each source once, not once per module (the build-and-cache rules have tests of
+    their own, on their own folders)."""
+    return str(tmp_path_factory.mktemp("kernels"))

@@ -25,8 +25,9 @@ from tiny_model import make_tiny_model  # noqa: E402
 
 
 def shared_tiny_model(tmp_path_factory) -> str:
-    """One tiny model per pytest session, shared by every module that asks (built once)."""
-    path = tmp_path_factory.getbasetemp() / "shared_tiny_model"
+    """One tiny model per pytest session, shared by every module that asks (built once). Its
+    directory is named `tiny`, the model name the OpenAI routes then answer to."""
+    path = tmp_path_factory.getbasetemp() / "shared_tiny_model" / "tiny"
     if not (path / "model.safetensors").exists():
         make_tiny_model(str(path))
     return str(path)

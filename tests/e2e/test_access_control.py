@@ -12,7 +12,7 @@ import random
 import httpx
 import pytest
 
-from cluster import Server, pd_body  # noqa: E402
+from cluster import Server, pd_body, stop_all  # noqa: E402
 from fault_tools import KnobServer, Legs, Router, children, error_of, shared_tiny_model, wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -44,8 +44,7 @@ def stack(tmp_path_factory):
     finally:
         if router is not None:
             router.stop()
-        for s in (P, D, C):
-            s.stop()
+        stop_all([P, D, C])
 
 
 def info(srv: Server) -> dict:

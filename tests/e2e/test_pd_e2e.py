@@ -13,42 +13,36 @@ import time
 import pytest
 
 from cluster import Server, pd_body, post_both, run  # noqa: E402
-from tiny_model import make_tiny_model  # noqa: E402
+from shared_servers import COLOCATED, DECODE, DECODE_DP2, PREFILL, PREFILL_DP2, borrow  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
 PROMPTS = ["The capital of France is", "hello world " * 9, "a", "Once upon a time, in a land far away, " * 3]
 CONFLICT = "follow_bootstrap_room conflict: dispatched to dp_rank"
+# servers borrowed from the session's shared ones (shared_servers.py)
+LENT = {"colo": COLOCATED, "p1": PREFILL, "p2": PREFILL_DP2, "d1": DECODE, "d2": DECODE_DP2}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
+def model_dir(shared_servers):
+    return shared_servers.model_dir
 
 
 @pytest.fixture(scope="module")
-def servers(model_dir, tmp_path_factory):
+def servers(shared_servers, model_dir, tmp_path_factory):
+    """The plain servers are lent (shared_servers.py); the ones with their own flags or env are
+    this module's."""
     logs = str(tmp_path_factory.mktemp("logs"))
-    s = {
-        "colo": Server("colocated", model_dir, log_dir=logs),
-        "p1": Server("prefill", model_dir, dp=1, log_dir=logs),
-        "p2": Server("prefill", model_dir, dp=2, log_dir=logs),
+    own = {
         "p2_force": Server("prefill", model_dir, dp=2, log_dir=logs,  # SGLang's name for FORCE
                            env={"SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK": "1"}),
         "p2_rr": Server("prefill", model_dir, dp=2, log_dir=logs,
                         extra=["--load-balance-method", "round_robin"]),
-        "d1": Server("decode", model_dir, dp=1, log_dir=logs),
-        "d2": Server("decode", model_dir, dp=2, log_dir=logs),
         "d1_force": Server("decode", model_dir, dp=1, log_dir=logs, extra=["--force-query-prefill-dp-rank"]),
         "d1_local": Server("decode", model_dir, dp=1, log_dir=logs, extra=["--disagg-local-prefill-max-tokens", "8"]),
     }
-    try:
-        for srv in s.values():
-            srv.wait_ready()
+    with borrow(shared_servers, LENT, own) as s:
         yield s
-    finally:
-        for srv in s.values():
-            srv.stop()
 
 
 def greedy(n: int = 12) -> dict:

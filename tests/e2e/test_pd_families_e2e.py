@@ -9,7 +9,7 @@ import random
 import httpx
 import pytest
 
-from cluster import Server, pd_body, post_both, run  # noqa: E402
+from cluster import Server, pd_body, post_both, run, stop_all  # noqa: E402
 from tiny_families import make_tiny_family  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -29,8 +29,7 @@ def servers(tmp_path_factory):
             srv.wait_ready()
         yield s
     finally:
-        for srv in s.values():
-            srv.stop()
+        stop_all(list(s.values()))
 
 
 def test_gemma3_pd_equals_colocated(servers):

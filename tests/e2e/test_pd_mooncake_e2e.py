@@ -17,11 +17,13 @@ import httpx
 import pytest
 
 from cluster import Server, pd_body, post_both, run  # noqa: E402
-from tiny_model import make_tiny_model  # noqa: E402
+from shared_servers import COLOCATED, DECODE, borrow  # noqa: E402
 
 from pdserve.transfer.mooncake import import_problem  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
+# servers borrowed from the session's shared ones (shared_servers.py)
+LENT = {"colo": COLOCATED, "d_tcp": DECODE}
 if (_problem := import_problem()) is not None:
     pytest.skip(f"mooncake backend unavailable: {_problem}", allow_module_level=True)
 
@@ -31,28 +33,19 @@ P1_BOOTSTRAP_TIMEOUT = 120  # p1's wait for a kv_req: a mismatched decode must n
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
-
-
-@pytest.fixture(scope="module")
-def servers(model_dir, tmp_path_factory):
+def servers(shared_servers, tmp_path_factory):
+    """The mooncake servers are this module's (p1 is killed); the colocated reference and the
+    tcp decode are lent."""
     logs = str(tmp_path_factory.mktemp("logs"))
-    s = {
-        "colo": Server("colocated", model_dir, log_dir=logs),
+    model_dir = shared_servers.model_dir
+    own = {
         "p1": Server("prefill", model_dir, dp=1, extra=MOONCAKE, log_dir=logs,
                      env={"PDSERVE_BOOTSTRAP_TIMEOUT": str(P1_BOOTSTRAP_TIMEOUT)}),
         "p2": Server("prefill", model_dir, dp=2, extra=MOONCAKE, log_dir=logs),
         "d2": Server("decode", model_dir, dp=2, extra=MOONCAKE, log_dir=logs),
-        "d_tcp": Server("decode", model_dir, dp=1, log_dir=logs),
     }
-    try:
-        for srv in s.values():
-            srv.wait_ready()
+    with borrow(shared_servers, LENT, own) as s:
         yield s
-    finally:
-        for srv in s.values():
-            srv.stop()
 
 
 def greedy(n: int = 12) -> dict:

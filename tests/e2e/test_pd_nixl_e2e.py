@@ -20,11 +20,13 @@ import httpx
 import pytest
 
 from cluster import Server, pd_body, post_both, run  # noqa: E402
-from tiny_model import make_tiny_model  # noqa: E402
+from shared_servers import COLOCATED, borrow  # noqa: E402
 
 from pdserve.transfer.nixl import import_problem  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
+# servers borrowed from the session's shared ones (shared_servers.py)
+LENT = {"colo": COLOCATED}
 if (_problem := import_problem()) is not None:
     pytest.skip(f"nixl backend unavailable: {_problem}", allow_module_level=True)
 
@@ -33,25 +35,16 @@ PROMPTS = ["The capital of France is", "hello world " * 9, "a", "Once upon a tim
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
-
-
-@pytest.fixture(scope="module")
-def servers(model_dir, tmp_path_factory):
+def servers(shared_servers, tmp_path_factory):
+    """The nixl servers are this module's; the colocated reference is lent."""
     logs = str(tmp_path_factory.mktemp("logs"))
-    s = {
-        "colo": Server("colocated", model_dir, log_dir=logs),
+    model_dir = shared_servers.model_dir
+    own = {
         "p2": Server("prefill", model_dir, dp=2, extra=NIXL, log_dir=logs),
         "d1": Server("decode", model_dir, dp=1, extra=NIXL, log_dir=logs),
     }
-    try:
-        for srv in s.values():
-            srv.wait_ready()
+    with borrow(shared_servers, LENT, own) as s:
         yield s
-    finally:
-        for srv in s.values():
-            srv.stop()
 
 
 def greedy(n: int = 12) -> dict:

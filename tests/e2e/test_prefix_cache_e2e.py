@@ -13,32 +13,27 @@ import httpx
 import pytest
 
 from cluster import Server, pd_body, post_both, run  # noqa: E402
-from tiny_model import make_tiny_model  # noqa: E402
+from shared_servers import DECODE, DECODE_DP2, PREFILL_DP2, borrow  # noqa: E402
 from prefix_tools import expected_cached  # noqa: E402
 
 pytestmark = pytest.mark.e2e
+# servers borrowed from the session's shared ones (shared_servers.py)
+LENT = {"p2": PREFILL_DP2, "d1": DECODE, "d2": DECODE_DP2}
 PAGE = 4  # cluster.Server's --page-size
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    model_dir = make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
+def servers(shared_servers, tmp_path_factory):
+    """The colocated servers are this module's; the PD ones are lent (their caches empty)."""
+    model_dir = shared_servers.model_dir
     logs = str(tmp_path_factory.mktemp("logs"))
-    s = {
+    own = {
         "on": Server("colocated", model_dir, dp=2, log_dir=logs, extra=["--load-balance-method", "round_robin"]),
         "off": Server("colocated", model_dir, log_dir=logs, extra=["--disable-prefix-cache"]),
         "off_sglang_name": Server("colocated", model_dir, log_dir=logs, extra=["--disable-radix-cache"]),
-        "p2": Server("prefill", model_dir, dp=2, log_dir=logs),
-        "d1": Server("decode", model_dir, dp=1, log_dir=logs),
-        "d2": Server("decode", model_dir, dp=2, log_dir=logs),
     }
-    try:
-        for srv in s.values():
-            srv.wait_ready()
+    with borrow(shared_servers, LENT, own) as s:
         yield s
-    finally:
-        for srv in s.values():
-            srv.stop()
 
 
 def ids(seed: int, n: int) -> list[int]:

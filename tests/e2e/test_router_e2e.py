@@ -8,7 +8,6 @@ All processes bind 127.0.0.1 on free ports and are stopped by pid in fixture fin
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time
@@ -20,9 +19,11 @@ import pytest
 import cluster  # noqa: E402
 from cluster import Server  # noqa: E402
 from fault_tools import Router, wait_for  # noqa: E402
-from tiny_model import make_tiny_model  # noqa: E402
+from shared_servers import COLOCATED, DECODE_DP2, PREFILL_DP2, borrow  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+# servers borrowed from the session's shared ones (shared_servers.py)
+LENT = {"colo": COLOCATED, "p": PREFILL_DP2, "d": DECODE_DP2}
 
 PROMPTS = ["Hello world", "The capital of France is", "abc def ghi"]
 GREEDY = {"max_new_tokens": 12, "temperature": 0}
@@ -48,23 +49,16 @@ def workdir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def model_dir(workdir):
-    return make_tiny_model(os.path.join(workdir, "tiny"))
+def model_dir(shared_servers):
+    return shared_servers.model_dir
 
 
 @pytest.fixture(scope="module")
-def servers(workdir, model_dir):
-    """(colocated, prefill dp 2 follow_bootstrap_room, decode dp 2), all up."""
-    started: list[Server] = []
-    try:
-        for role, dp in (("colocated", 1), ("prefill", 2), ("decode", 2)):
-            started.append(Server(role, model_dir, dp=dp, log_dir=workdir))
-        for s in started:
-            s.wait_ready()
-        yield tuple(started)
-    finally:
-        for s in started:
-            s.stop()
+def servers(shared_servers):
+    """(colocated, prefill dp 2 follow_bootstrap_room, decode dp 2), all up (lent: no test
+    kills them; the ones killed are `spare`'s)."""
+    with borrow(shared_servers, LENT) as s:
+        yield s["colo"], s["p"], s["d"]
 
 
 @pytest.fixture(scope="module")

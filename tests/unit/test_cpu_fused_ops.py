@@ -17,8 +17,8 @@ EPS = 1e-5
 
 
 @pytest.fixture(scope="module")
-def ops(tmp_path_factory):
-    o = cpu_fused.load_fused_ops(str(tmp_path_factory.mktemp("kernels")))
+def ops(kernel_cache_dir):
+    o = cpu_fused.load_fused_ops(kernel_cache_dir)
     if o is None:
         pytest.skip("no AVX-512 BF16 CPU or no gcc here: load_fused_ops gave None, the model "
                     "keeps the torch formulas")

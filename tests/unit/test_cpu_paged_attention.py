@@ -22,8 +22,8 @@ from pdserve.engine.kv_pool import KVPool  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    k = cpu_kernels.load_paged_attention(str(tmp_path_factory.mktemp("kernels")))
+def kernel(kernel_cache_dir):
+    k = cpu_kernels.load_paged_attention(kernel_cache_dir)
     if k is None:
         pytest.skip("no AVX-512 BF16 CPU or no gcc here: the engine uses the torch path")
     return k
