@@ -20,7 +20,7 @@ from aiohttp import web
 
 PD_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "routed_dp_rank", "disagg_prefill_dp_rank")
 KNOBS = ("delay", "hold", "fail_status", "fail_times", "close_mid_stream", "stream_gate", "healthy", "load",
-         "stream_chunks", "drop_times", "fail_error")
+         "stream_chunks", "drop_times", "fail_error", "fail_retry_after")
 
 
 class Stub:
@@ -32,6 +32,7 @@ class Stub:
         self.fail_status = args.fail_status
         self.fail_times = 0  # with fail_status: fail only this many generations (0: every one)
         self.fail_error = None  # with fail_status: the reply's "error" object (None: a stub_error)
+        self.fail_retry_after = None  # with fail_status: its Retry-After header
         self.failed = 0
         self.drop_times = 0  # close this many generations' connections before answering
         self.close_mid_stream = args.close_mid_stream
@@ -93,7 +94,8 @@ class Stub:
                 self.failed += 1
                 return web.json_response({"error": self.fail_error or {
                     "message": f"stub {self.role} failure for room {room}", "type": "stub_error"}},
-                    status=self.fail_status)
+                    status=self.fail_status,
+                    headers={"Retry-After": str(self.fail_retry_after)} if self.fail_retry_after else None)
             if body.get("stream"):
                 return await self.stream(request, body)
             resp = web.Response(body=json.dumps(self.reply(request.path, body)), content_type="application/json")

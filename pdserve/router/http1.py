@@ -24,12 +24,13 @@ class UpstreamClosed(ConnectionError):
 class Http1Response:
     """One reply: status and Content-Type once the headers are in, then the body as it arrives."""
 
-    __slots__ = ("status", "content_type", "_conn", "_chunks", "_buffered", "_complete", "_keep_alive",
+    __slots__ = ("status", "content_type", "retry_after", "_conn", "_chunks", "_buffered", "_complete", "_keep_alive",
                  "_headers_done", "_framed", "_error", "_waiter", "_released")
 
     def __init__(self, conn: "_Connection"):
         self.status = 0
         self.content_type: str | None = None
+        self.retry_after: str | None = None  # a 429's or 503's Retry-After, passed on to the client
         self._conn = conn
         self._chunks: list[bytes] = []
         self._buffered = 0
@@ -165,12 +166,14 @@ class _Connection(asyncio.Protocol):
             resp.content_type = value.decode("latin-1")
         elif name == b"content-length" or name == b"transfer-encoding":
             resp._framed = True
+        elif name == b"retry-after":
+            resp.retry_after = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
         resp = self.response
         resp.status = self.parser.get_status_code()
         if resp.status < 200:  # an interim 1xx reply; the real one follows
-            resp.content_type, resp._framed = None, False
+            resp.content_type, resp.retry_after, resp._framed = None, None, False
             return
         resp._headers_done = True
         resp._wake()

@@ -33,13 +33,13 @@ class LegErrorKind(str, enum.Enum):
 class LegError(Exception):
     """A failed leg. `status` is what the client gets; `message` names the role and server;
     `sent` is the server's own JSON `error` object, when it sent one (the client gets its code,
-    param and other fields as they were)."""
+    param and other fields as they were), `retry_after` its Retry-After header."""
 
     def __init__(self, upstream: Upstream, kind: LegErrorKind, status: int, message: str,
-                 type: str = "upstream_error", sent: dict | None = None):
+                 type: str = "upstream_error", sent: dict | None = None, retry_after: str | None = None):
         super().__init__(message)
         self.upstream, self.kind, self.status, self.message, self.type = upstream, kind, status, message, type
-        self.sent = sent
+        self.sent, self.retry_after = sent, retry_after
 
     @property
     def retryable(self) -> bool:
@@ -203,7 +203,7 @@ class LegClient:
         self._metrics.upstream_errors.labels(up.role.value, up.url, "status").inc()
         return LegError(up, LegErrorKind.STATUS, resp.status,
                         f"{up.role.value} server {up.url} failed with status {resp.status}: {message}",
-                        etype or "upstream_error", upstream_error_object(raw))
+                        etype or "upstream_error", upstream_error_object(raw), resp.retry_after)
 
     async def fetch(self, up: Upstream, path: str, data: bytes, auth: str | None = None,
                     rank: int | None = None) -> LegReply:

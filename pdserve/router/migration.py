@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from pdserve.core.migration_wire import PROGRESS_FIELD, PROGRESS_PREFIX, RESUME_FIELD
 
-from .legs import LegError, LegErrorKind, upstream_error_text
+from .legs import LegError, LegErrorKind, upstream_error_object, upstream_error_text
 from .pd_body import RequestShape, Route, decode
 from .upstream import Upstream
 
@@ -191,4 +191,5 @@ class StreamRelay:
         except Exception:
             pass
         return LegError(self.upstream, LegErrorKind.STATUS, status,
-                        f"decode server {self.upstream.url} failed mid-stream: {message}", etype or "upstream_error")
+                        f"decode server {self.upstream.url} failed mid-stream: {message}", etype or "upstream_error",
+                        upstream_error_object(raw))

@@ -53,8 +53,11 @@ def error_body(status: int, message: str, type: str, sent: dict | None = None) -
     return encode({"error": err})
 
 
-def error_response(status: int, message: str, type: str, sent: dict | None = None) -> web.Response:
-    return web.Response(status=status, body=error_body(status, message, type, sent), content_type="application/json")
+def error_response(status: int, message: str, type: str, sent: dict | None = None,
+                   retry_after: str | None = None) -> web.Response:
+    headers = {"Retry-After": retry_after} if retry_after else None
+    return web.Response(status=status, body=error_body(status, message, type, sent), content_type="application/json",
+                        headers=headers)
 
 
 class PDProxy:
@@ -223,7 +226,7 @@ class PDExchange:
         if self.migration.count:
             self.p.metrics.migrations.labels("failed").inc()
         if self.response is None:
-            return error_response(err.status, message, err.type, err.sent)
+            return error_response(err.status, message, err.type, err.sent, err.retry_after)
         await self._write_stream_error(err.status, message, err.type, err.sent)
         return self.response
 

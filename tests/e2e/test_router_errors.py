@@ -24,7 +24,7 @@ def stubs(base):  # noqa: F811
     """The module's stubs, knobs back to plain answers before each test."""
     prefill, decode, router = base
     for s in (prefill, decode):
-        s.control(hold=False, fail_status=0, fail_error=None, stream_gate=False)
+        s.control(hold=False, fail_status=0, fail_error=None, fail_retry_after=None, stream_gate=False)
         httpx.post(s.url + "/_reset", timeout=10).raise_for_status()
     return prefill, decode, router
 
@@ -84,3 +84,13 @@ def test_a_prefill_4xx_after_decode_streamed_ends_the_stream_with_its_fields(stu
     assert {k: error[k] for k in ("type", "param", "code")} == {k: sent[k] for k in ("type", "param", "code")}
     assert error["message"].startswith(f"prefill server {prefill.url} failed with status 400: prompt too long")
     assert events[2:] == ["data: [DONE]"]
+
+
+def test_a_429_that_every_try_got_passes_its_retry_after_on(stubs):
+    """Back-pressure from the only decode on every try: the client gets the 429 with the decode's
+    Retry-After, so OpenAI clients wait as long as the server asked."""
+    prefill, decode, router = stubs
+    decode.control(fail_status=429, fail_retry_after="7")
+    resp = router.post("/generate", {"text": "x"})
+    assert resp.status_code == 429 and resp.headers.get("Retry-After") == "7", (resp.headers, resp.text)
+    assert len(decode.bodies()) >= 2  # tried again first: a full server is healthy

@@ -99,6 +99,7 @@ def test_relay_holds_back_an_error_event_as_the_failure():
     f = relay.failure
     assert f.kind is LegErrorKind.STATUS and f.status == 503 and f.upstream is DECODE
     assert "mid-stream: dp worker rank 0 is gone" in f.message and f.type == "unavailable"
+    assert f.sent == err["error"]  # its code and other fields reach the client as sent
     assert m.ids == [5]
 
 
