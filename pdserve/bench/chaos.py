@@ -265,14 +265,15 @@ def _migrations(url: str) -> int:
     return int(total)
 
 
-def _router_sample(pid: int) -> dict[str, int]:
+def _proc_sample(pid: int) -> dict[str, int]:
+    """Open fds, threads and RSS of one process."""
     threads = len(os.listdir(f"/proc/{pid}/task")) if os.path.isdir(f"/proc/{pid}/task") else 0
     return {"fds": proc_fds(pid), "threads": threads, "rss_kb": proc_rss_kb(pid)}
 
 
 def _server_samples(cluster: ChaosCluster) -> dict[int, dict[str, int]]:
     """pid -> sample, for every server front and DP worker now alive."""
-    return {pid: _router_sample(pid) for srv in cluster.servers for pid in srv.pids()}
+    return {pid: _proc_sample(pid) for srv in cluster.servers for pid in srv.pids()}
 
 
 def _survivor_growth(third: dict[int, dict], end: dict[int, dict]) -> dict[str, int]:
@@ -294,7 +295,7 @@ async def _load(cluster: ChaosCluster, a, jobs: list[Job], refs: dict, end: floa
                 job = rng.choice(jobs)
                 results.append(await _one(c, cluster.router_url, job, refs[job], a.request_timeout_s))
                 if not third and time.monotonic() >= t_third:
-                    third.update(_router_sample(cluster.router.proc.pid), servers=_server_samples(cluster))
+                    third.update(_proc_sample(cluster.router.proc.pid), servers=_server_samples(cluster))
         await asyncio.gather(*(client() for _ in range(a.concurrency)))
     return results
 
@@ -347,7 +348,7 @@ def run(a) -> Report:
             raise RuntimeError(f"the fault schedule failed: {faults.error!r}")
         duration = time.monotonic() - t0
         stranded, unhealthy = _settle(cluster, a.settle_s)
-        end_sample = _router_sample(cluster.router.proc.pid)
+        end_sample = _proc_sample(cluster.router.proc.pid)
         servers_end = _server_samples(cluster)
         migrated = _migrations(cluster.router_url) - migrated0
     finally:

@@ -49,6 +49,11 @@ def _write(path: str, arch: str, cfg: dict, weights: dict[str, np.ndarray], name
     w.add_value_length(cfg["head_dim"])
     w.add_rope_freq_base(cfg["theta"])
     w.add_layer_norm_rms_eps(1e-5)
+    finish_gguf(w, {_gguf_name(hf): t for hf, t in weights.items()})
+
+
+def finish_gguf(w: gguf.GGUFWriter, tensors: dict[str, np.ndarray]) -> None:
+    """Add the byte-level test vocabulary (TOKENS) and the float32 tensors, then write the file."""
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(TOKENS)
@@ -56,8 +61,8 @@ def _write(path: str, arch: str, cfg: dict, weights: dict[str, np.ndarray], name
     w.add_token_merges([])
     w.add_bos_token_id(257)
     w.add_eos_token_id(258)
-    for hf, t in weights.items():
-        w.add_tensor(_gguf_name(hf), np.ascontiguousarray(t, dtype=np.float32))
+    for name, t in tensors.items():
+        w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

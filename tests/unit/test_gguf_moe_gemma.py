@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_gguf_families import TOKENS  # noqa: E402
+from test_gguf_families import TOKENS, finish_gguf  # noqa: E402
 from tiny_families import TINY, family_config, randomize  # noqa: E402
 
 from pdserve.model_files import ModelConfig, resolve_model  # noqa: E402
@@ -79,19 +79,7 @@ def write_gguf(path: str, arch: str, hf, tensors: dict[str, np.ndarray], extra) 
     w.add_value_length(c.head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     extra(w)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(TOKENS)
-    w.add_token_types([1] * 256 + [3] * 3)
-    w.add_token_merges([])
-    w.add_bos_token_id(257)
-    w.add_eos_token_id(258)
-    for name, t in tensors.items():
-        w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w, tensors)
 
 
 def _gemma3_config():
