@@ -383,8 +383,18 @@ def test_tcp_close_stops_threads_with_open_connections(request):
     assert tcp_threads(p.a_ep, p.b_ep) == []
 
 
-def test_tcp_stalled_peer_hits_io_deadline():
-    """A peer that completes the hello and then never reads: a big write fails at io_timeout."""
+class _AsIfRemoteTcp(TcpBackend):
+    """Treats every peer as on another host: its non-blocking send path, over loopback."""
+
+    @staticmethod
+    def _same_host(peer_ip: str, local_ip: str) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("cls", [TcpBackend, _AsIfRemoteTcp], ids=["same-host", "other-host"])
+def test_tcp_stalled_peer_hits_io_deadline(cls):
+    """A peer that completes the hello and then never reads: a big write fails at io_timeout,
+    on the blocking (same host) and the poll-bounded (other host) send path alike."""
     from pdserve.transfer.tcp_wire import HDR, Frame, dict_frame
 
     lst = socket.create_server(("127.0.0.1", 0))
@@ -400,12 +410,16 @@ def test_tcp_stalled_peer_hits_io_deadline():
     t = threading.Thread(target=fake_peer)
     t.start()
     src = Pool(2, 256, 65536, seed=6)  # 32 MiB: far more than the socket buffers hold
-    a = TcpBackend(connect_timeout=2.0, io_timeout=0.3)
+    a = cls(connect_timeout=2.0, io_timeout=0.3)
     try:
         a.start(src.layout)
         peer = {"backend": "tcp", "version": 1, "ip": "127.0.0.1", "port": lst.getsockname()[1]}
+        t0 = time.monotonic()
         with pytest.raises(TransferError, match="lost connection .* took no bytes for 0.3s"):
             a.write_pages(peer, layout_to_dict(src.layout), list(range(256)), list(range(256)))
+        assert time.monotonic() - t0 < 10.0
+        out = next(iter(a._out.values()))
+        assert out.sock is None  # the broken connection is dropped, the next call reconnects
     finally:
         a.close()
         t.join(timeout=10)
@@ -472,3 +486,27 @@ def test_tcp_socket_buffers_follow_the_peer_host():
         assert fixed._listener.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == 2 * (1 << 20)
     finally:
         fixed.close()
+
+
+@pytest.mark.parametrize("cls,blocking", [(TcpBackend, True), (_AsIfRemoteTcp, False)],
+                         ids=["same-host", "other-host"])
+def test_tcp_outbound_send_mode_follows_the_peer_host(cls, blocking):
+    """Same host: a blocking socket under SO_SNDTIMEO. Other hosts: non-blocking, each send
+    bounded by io_timeout in poll. Pages and messages arrive either way."""
+    a, b = cls(io_timeout=7.0), TcpBackend()
+    try:
+        src = Pool(2, 8, 128, seed=8)
+        a.start(src.layout)
+        dst = Pool(2, 8, 128)
+        b_ep = b.start(dst.layout)
+        a.write_pages(b_ep, layout_to_dict(dst.layout), [0, 1, 2], [5, 3, 4])
+        a.send(b_ep, {"x": 1})
+        assert recv_until(b, 1)
+        assert np.array_equal(dst.pages[0, 5], src.pages[0, 0]) and np.array_equal(dst.pages[1, 4], src.pages[1, 2])
+        out = next(iter(a._out.values())).sock
+        assert out.gettimeout() == (None if blocking else 7.0)
+        sndtimeo = out.getsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, 16)
+        assert (sndtimeo != bytes(16)) == blocking
+    finally:
+        a.close()
+        b.close()
