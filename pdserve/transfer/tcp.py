@@ -330,10 +330,10 @@ class TcpBackend(TransferBackend):
 
         To another host the socket is non-blocking and each sendmsg waits in poll: a blocking
         send of a 24 MiB frame keeps the socket owned for the whole copy, so the peer's ACKs wait
-        in its backlog and the window opens in bursts; across a veth that moved 0.66-0.78x of a
-        raw socket against 0.88-1.05x non-blocking (docs/benchmarks.md). On one host a blocking
-        socket under SO_SNDTIMEO is faster (one sendmsg per frame into the small local buffers,
-        no poll between): 3.6-4.4 GB/s on loopback against 2.2-3.2."""
+        in its backlog and the window opens in bursts; across a veth that moved 0.64-0.79x of a
+        raw socket against a median 0.95-0.99x non-blocking (docs/benchmarks.md, "The send mode").
+        On one host a blocking socket under SO_SNDTIMEO is faster (one sendmsg per frame into the
+        small local buffers, no poll between): 3.6-4.4 GB/s on loopback against 2.2-3.2."""
         if not same_host:
             sock.settimeout(self.io_timeout)
             return
