@@ -38,6 +38,7 @@ from .chaos_cluster import ChaosCluster, ChaosServer, proc_fds, proc_rss_kb
 WORDS = ("the quick brown fox jumps over a lazy dog while seven small birds sing near the old river "
          "bank and one tired cat sleeps under a warm red blanket").split()
 KINDS = ("generate", "generate-stream", "chat-stream")
+IDLE_CLOSE_S = 8.0  # longer than any idle connection the cluster keeps open
 SHORT_DEADLINES = {  # --short-deadlines: a broken handoff ends in seconds, not minutes
     "PDSERVE_BOOTSTRAP_TIMEOUT": "8", "PDSERVE_WAITING_TIMEOUT": "20", "PDSERVE_DP_RANK_QUERY_TIMEOUT": "10",
     "PDSERVE_TOPOLOGY_TIMEOUT": "5", "PDSERVE_HEARTBEAT_INTERVAL": "0.5", "PDSERVE_HEARTBEAT_MAX_FAILURE": "2",
@@ -324,6 +325,24 @@ def _settle(cluster: ChaosCluster, timeout: float) -> tuple[int, list[str]]:
         time.sleep(0.3)
 
 
+def _growth_once_idle(cluster: ChaosCluster, third: dict, a) -> tuple[dict, dict, bool]:
+    """(router growth, survivor growth, flat) since the first third, sampled again every 0.5 s
+    for up to IDLE_CLOSE_S while not flat: idle keep-alive connections (the router's 4 s, the
+    bootstrap client's 5 s) and a restarted peer's old transfer connections close within that,
+    a leak does not."""
+    deadline = time.monotonic() + IDLE_CLOSE_S
+    while True:
+        end_sample = _proc_sample(cluster.router.proc.pid)
+        growth = {k: end_sample[k] - third.get(k, end_sample[k]) for k in end_sample}
+        survivors = _survivor_growth(third.get("servers", {}), _server_samples(cluster))
+        flat = all(g <= a.fd_slack for g in (growth["fds"], growth["threads"], survivors["max_fds"],
+                                             survivors["max_threads"])) \
+            and max(growth["rss_kb"], survivors["max_rss_kb"]) <= a.rss_slack_mib * 1024
+        if flat or time.monotonic() > deadline:
+            return growth, survivors, flat
+        time.sleep(0.5)
+
+
 def run(a) -> Report:
     log_dir = a.log_dir or tempfile.mkdtemp(prefix="pdserve-chaos-")
     os.makedirs(log_dir, exist_ok=True)
@@ -348,18 +367,12 @@ def run(a) -> Report:
             raise RuntimeError(f"the fault schedule failed: {faults.error!r}")
         duration = time.monotonic() - t0
         stranded, unhealthy = _settle(cluster, a.settle_s)
-        end_sample = _proc_sample(cluster.router.proc.pid)
-        servers_end = _server_samples(cluster)
+        growth, survivors, flat = _growth_once_idle(cluster, third, a)
         migrated = _migrations(cluster.router_url) - migrated0
     finally:
         cluster.close()
     counts = Counter(r.outcome.value for r in results)
     errs = [r for r in results if r.outcome is Outcome.ERROR]
-    growth = {k: end_sample[k] - third.get(k, end_sample[k]) for k in end_sample}
-    survivors = _survivor_growth(third.get("servers", {}), servers_end)
-    flat = all(g <= a.fd_slack for g in (growth["fds"], growth["threads"], survivors["max_fds"],
-                                         survivors["max_threads"])) \
-        and max(growth["rss_kb"], survivors["max_rss_kb"]) <= a.rss_slack_mib * 1024
     n = len(results)
     report = Report(
         duration_s=round(duration, 1), requests=n, outcomes={o.value: counts.get(o.value, 0) for o in Outcome},

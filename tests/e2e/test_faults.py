@@ -195,7 +195,14 @@ def test_kill_prefill_server(cluster, legs, knobs, reference, phase, spare):
         assert_failed(rd, str(room), "missed", "heartbeats", "gone")
         # unheard is not proof of dead: the room's pages wait out the quarantine, then are freed
         held = D.worker(D_LAST)["extra"]
-        assert held["quarantined_handoffs"] == 1 and held["handoff_states"] == {"quarantined": 1}, held
+        if held["handoff_states"] != {"quarantined": 1}:
+            # on a loaded machine this read can come after the whole (short, test) quarantine:
+            # then the decode has logged that quarantine running out for this very room
+            expired = [ln for ln in D.tail(2000).splitlines()
+                       if f"room {room} (prefill" in ln and "of quarantine; its pages are released" in ln]
+            assert held["quarantined_handoffs"] == 0 and expired, (held, D.tail(20))
+        else:
+            assert held["quarantined_handoffs"] == 1, held
     D.wait_idle(timeout=QUARANTINE_S + 15)
     assert_serves(cluster.P, D, P_LAST, D_LAST, reference)
 
