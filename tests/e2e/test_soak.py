@@ -57,13 +57,16 @@ def processes(P: Server, D: Server, router: Router) -> dict[str, int]:
     return out
 
 
-def settled(pids: dict[str, int]) -> dict[str, tuple[int, int, int]]:
-    """(fds, threads, rss KB) per process once fds and threads have not changed for 6 s: idle
-    keep-alive connections (router 4 s, bootstrap client 5 s) have closed by then."""
+KEEPALIVE_S = 6.0  # longer than any idle keep-alive (router 4 s, bootstrap client 5 s)
+
+
+def settled(pids: dict[str, int], load_ended: float) -> dict[str, tuple[int, int, int]]:
+    """(fds, threads, rss KB) per process once KEEPALIVE_S have passed since the load ended
+    (every idle keep-alive connection has closed) and fds and threads have not changed for 1 s."""
     def sample():
         return {n: (fd_count(p), thread_count(p)) for n, p in pids.items()}
     last, same, deadline = sample(), 0, time.monotonic() + 40
-    while same < 12 and time.monotonic() < deadline:
+    while (same < 2 or time.monotonic() < load_ended + KEEPALIVE_S) and time.monotonic() < deadline:
         time.sleep(0.5)
         now = sample()
         same = same + 1 if now == last else 0
@@ -140,14 +143,16 @@ def test_soak_leaks_nothing(stack):
     assert len(pids) == 7, pids
     third = max(REQUESTS // 3, 1)
     first = asyncio.run(load(router.url, third, seed=1))
+    ended = time.monotonic()
     quiet(P, D)
-    before = settled(pids)
+    before = settled(pids, ended)
     t0 = time.monotonic()
     middle = asyncio.run(load(router.url, REQUESTS - 2 * third, seed=2))
     last = asyncio.run(load(router.url, third, seed=3))
-    took = time.monotonic() - t0
+    ended = time.monotonic()
+    took = ended - t0
     quiet(P, D)
-    after = settled(pids)
+    after = settled(pids, ended)
     assert first.get("ok", 0) > 0 and last.get("cancelled", 0) + first.get("cancelled", 0) > 0, (first, last)
     outcomes = {k: first.get(k, 0) + middle.get(k, 0) + last.get(k, 0) for k in ("ok", "cancelled")}
     lines = [f"{n}: fds {before[n][0]} -> {after[n][0]}, threads {before[n][1]} -> {after[n][1]}, "
