@@ -212,8 +212,9 @@ class TcpBackend(TransferBackend):
     def _connect(self, peer: dict, name: str) -> socket.socket:
         deadline = time.monotonic() + self.connect_timeout
         sock = socket.socket(family_of(peer["ip"]), socket.SOCK_STREAM)
+        same_host = self._same_host(peer["ip"], self.endpoint["ip"])
         try:
-            self._tune(sock, self._same_host(peer["ip"], self.endpoint["ip"]))
+            self._tune(sock, same_host)
             sock.settimeout(self.connect_timeout)
             sock.connect((peer["ip"], int(peer["port"])))
             sock.settimeout(max(deadline - time.monotonic(), 1e-3))
@@ -222,7 +223,7 @@ class TcpBackend(TransferBackend):
             ack = wire.read_dict(sock, n)
             if kind != Frame.HELLO_ACK or not ack.get("ok"):
                 raise TransferError(f"transfer peer {name} refused the connection: {ack.get('error')}")
-            self._arm_deadline(sock, self._same_host(peer["ip"], self.endpoint["ip"]))
+            self._arm_deadline(sock, same_host)
             return sock
         except TransferError:
             sock.close()
