@@ -89,9 +89,28 @@ class ServerConfig:
         "slow decode, or sending it); a request beyond it is refused at once with 429, unless the rank "
         "holds none (0 = no limit)", default=0)
     context_length: int = _opt("max prompt + output tokens (0 = the model's)", default=0)
-    cpu_kernels: str = _opt("bfloat16 on CPU: auto (our AVX-512 BF16 C kernels for attention, "
-                            "norms and RoPE, built with gcc at first use, where the CPU has it) or "
-                            "torch (plain torch ops)", ("auto", "torch"), default="auto")
+    cpu_kernels: str = _opt("bfloat16 on CPU: auto (our C kernels, built with gcc at first use where the "
+                            "CPU has what they need: attention, norms and RoPE with AVX-512 BF16, "
+                            "matmuls with AVX2) or torch (none of them: torch ops only)",
+                            ("auto", "torch"), default="auto")
+    cpu_calibration: str = _opt(
+        "CPU: auto (measure which matmul, attention and norm paths are fastest here at first start, "
+        "then reuse the result, cached per CPU, threads, torch version and model shape), redo "
+        "(measure again) or off (the defaults, unmeasured); server_info shows the plan and why",
+        ("auto", "redo", "off"), default="auto")
+    cpu_matmul: str = _opt("force the matmul path: torch (F.linear as stored), onednn (oneDNN's "
+                           "packed bf16), panel (our AVX2 bf16 kernel) or float32 (weights held in "
+                           "float32); auto: measured", ("auto", "torch", "onednn", "panel", "float32"),
+                           default="auto")
+    cpu_decode_attention: str = _opt("force decode attention: kernel (ours), torch, torch_fp32 "
+                                     "(torch ops on float32 copies); auto: measured",
+                                     ("auto", "kernel", "torch", "torch_fp32"), default="auto")
+    cpu_prefill_attention: str = _opt("force prefill attention at every length: kernel (ours, tiled "
+                                      "where faster), kernel_per_query, torch, torch_fp32; auto: "
+                                      "measured per KV length", ("auto", "kernel", "kernel_per_query",
+                                                                 "torch", "torch_fp32"), default="auto")
+    cpu_norms: str = _opt("force norms and RoPE: fused (our C ops) or torch; auto: measured",
+                          ("auto", "fused", "torch"), default="auto")
     num_threads: int = _opt("torch threads per worker (0 = its --cpu-bind cores, or cores / dp_size)",
                             default=0)
     cpu_bind: str = _opt("cores of each DP worker, as vLLM's VLLM_CPU_OMP_THREADS_BIND: auto (split this "

@@ -76,6 +76,7 @@ class AttnBatch:
     # PER_SEQUENCE the row of gather_slots it reads [T] (DECODE: row = query)
     key_counts: torch.Tensor | None = None
     query_rows: torch.Tensor | None = None
+    compute_dtype: torch.dtype | None = None  # torch path: compute in this dtype (None: q's)
     seq_lens: tuple[int, ...] = ()  # KV length of each sequence after this step
     new_lens: tuple[int, ...] = ()  # its new tokens this step
     rope_lens: tuple[int, ...] = ()  # tokens each sequence has (its whole prompt while prefilling)
@@ -99,11 +100,13 @@ class AttnBatch:
     def build(seq_lens: list[int], new_lens: list[int], page_rows: list[list[int]],
               page_size: int, device: torch.device | str = "cpu",
               kernel: PagedAttentionKernel | None = None,
-              rope_lens: list[int] | None = None) -> "AttnBatch":
+              rope_lens: list[int] | None = None,
+              compute_dtype: torch.dtype | None = None) -> "AttnBatch":
         """seq_lens[i]: KV length of sequence i after this step; new_lens[i]: tokens it adds
         this step (the last new_lens[i] of its seq_lens[i]); page_rows[i]: its pages in order.
         kernel: used where it supports the call (CPU, bfloat16), else the torch path;
-        rope_lens: tokens each sequence has (default seq_lens), see token_seq_lens."""
+        rope_lens: tokens each sequence has (default seq_lens), see token_seq_lens;
+        compute_dtype: the torch path computes in it (None: the model's dtype)."""
         B = len(seq_lens)
         L = max(seq_lens)
         max_pages = -(-L // page_size)
@@ -122,7 +125,7 @@ class AttnBatch:
                              gather_slots=slots.contiguous().to(device), mask=mask, key_bias=bias,
                              kernel=kernel, key_counts=seq.to(device) if kernel else None,
                              seq_lens=tuple(seq_lens), new_lens=tuple(new_lens),
-                             rope_lens=tuple(rope_lens or ()))
+                             rope_lens=tuple(rope_lens or ()), compute_dtype=compute_dtype)
         spans, writes, start = [], [], 0
         for i, (n, new) in enumerate(zip(seq_lens, new_lens)):
             writes.append(slots[i, n - new:n])
@@ -136,7 +139,7 @@ class AttnBatch:
             start += new
         batch = AttnBatch(AttnShape.PER_SEQUENCE, torch.cat(writes).to(device), spans=spans,
                           seq_lens=tuple(seq_lens), new_lens=tuple(new_lens),
-                          rope_lens=tuple(rope_lens or ()))
+                          rope_lens=tuple(rope_lens or ()), compute_dtype=compute_dtype)
         if kernel is not None:  # (spans stay for the torch path: the kernel may not take q)
             # each new token is a query over its sequence's first (position + 1) slots, read
             # from the pool after all new K/V are stored: causal with or without a prefix
@@ -172,6 +175,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         return batch.kernel(q, k, v, pool.k(layer), pool.v(layer), None,
                             batch.gather_slots, batch.key_counts, batch.query_rows, **kw)
     pool.write(layer, batch.write_slots, k.to(pool.dtype), v.to(pool.dtype))
+    cd = batch.compute_dtype
+    if cd is not None and cd is not q.dtype:  # e.g. float32 where bf16 matmuls are slow
+        return _torch_attention(q.to(cd), k.to(cd), v.to(cd), layer, batch, pool, scale).to(q.dtype)
+    return _torch_attention(q, k, v, layer, batch, pool, scale)
+
+
+def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                     batch: AttnBatch, pool: KVPool, scale: float | None) -> torch.Tensor:
+    """The torch path, computing in q's dtype (the pool's rows are converted to it)."""
     if batch.shape is AttnShape.DECODE:
         B, L = batch.gather_slots.shape
         Hkv, D = k.shape[1], k.shape[2]

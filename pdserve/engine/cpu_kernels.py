@@ -20,24 +20,16 @@ from pathlib import Path
 
 import torch
 
+from ..core.host import cpu_flags  # noqa: F401  (here so tests can patch it per module)
+
 log = logging.getLogger(__name__)
 
 PAGED_ATTENTION_SRC = Path(__file__).with_name("cpu_paged_attention.c")
 AVX512_BF16_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma")
 AVX512_BF16_CPU = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"})
+AVX2_FLAGS = ("-mavx2", "-mfma")
+AVX2_CPU = frozenset({"avx2", "fma"})
 COMPILE_TIMEOUT_S = 120.0
-
-
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
-    """The CPU feature flags Linux reports (empty elsewhere)."""
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def compile_cached(src: Path, flags: tuple[str, ...], cache_dir: Path, cc: str = "gcc") -> Path:
@@ -141,11 +133,11 @@ class PagedAttentionKernel:
         return out
 
 
-def build_for_avx512_bf16(what: str, src: Path, cache_dir: str, extra_flags: tuple[str, ...] = ()
-                          ) -> Path | None:
-    """src built for AVX-512 BF16 into cache_dir/kernels; None (reason logged, naming `what`)
-    where this CPU lacks it, there is no C compiler, or the build fails."""
-    missing = AVX512_BF16_CPU - cpu_flags()
+def build_for(what: str, src: Path, cache_dir: str, cpu_needs: frozenset[str],
+              flags: tuple[str, ...]) -> Path | None:
+    """src built with flags into cache_dir/kernels; None (reason logged, naming `what`) where
+    this CPU lacks a flag of cpu_needs, there is no C compiler, or the build fails."""
+    missing = cpu_needs - cpu_flags()
     if missing:
         log.info("%s: torch path (CPU lacks %s)", what, ", ".join(sorted(missing)))
         return None
@@ -154,10 +146,16 @@ def build_for_avx512_bf16(what: str, src: Path, cache_dir: str, extra_flags: tup
         log.info("%s: torch path (no C compiler on PATH)", what)
         return None
     try:
-        return compile_cached(src, AVX512_BF16_FLAGS + extra_flags, Path(cache_dir) / "kernels", cc)
+        return compile_cached(src, flags, Path(cache_dir) / "kernels", cc)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("%s: torch path (kernel build failed: %s)", what, e)
         return None
+
+
+def build_for_avx512_bf16(what: str, src: Path, cache_dir: str, extra_flags: tuple[str, ...] = ()
+                          ) -> Path | None:
+    """src built for AVX-512 BF16 (see build_for)."""
+    return build_for(what, src, cache_dir, AVX512_BF16_CPU, AVX512_BF16_FLAGS + extra_flags)
 
 
 @functools.cache

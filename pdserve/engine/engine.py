@@ -25,8 +25,10 @@ from ..core.page_keys import chain_hashes
 from .allocator import PageAllocator
 from .attention import AttnBatch
 from .cpu_kernels import PagedAttentionKernel
+from .cpu_plan import AttentionPaths, CpuPlan, static_plan
 from .grammar_mask import EngineGrammar
 from .kv_pool import KVPool
+from .linear import MatmulPath
 from .logprobs import logprobs_of
 from .prefix_cache import CacheCounters, PrefixCache
 from .sampler import make_generator, sample
@@ -61,13 +63,17 @@ class EngineStats:
 class Engine:
     def __init__(self, model: torch.nn.Module, pool: KVPool, cfg: EngineConfig,
                  device: str | torch.device = "cpu",
-                 attention_kernel: PagedAttentionKernel | None = None, grammars=None):
+                 attention_kernel: PagedAttentionKernel | None = None, grammars=None,
+                 plan: CpuPlan | None = None):
         self.model = model
         self.grammar = EngineGrammar(grammars)  # grammars: grammar.matcher.Matchers, None: refused
         if attention_kernel is not None and not attention_kernel.supports_model(
                 pool.dtype, model.cfg.num_heads, pool.num_kv_heads, pool.head_dim):
             attention_kernel = None  # e.g. head_dim 80: the torch path
         self.attention_kernel = attention_kernel  # see cpu_kernels.load_paged_attention
+        # plan: what calibration chose for this CPU (None: our kernel wherever it was built)
+        self.plan = plan or static_plan(model.matmul, attention_kernel is not None, model.fused is not None)
+        self.attention = AttentionPaths(self.plan, attention_kernel)
         self.pool = pool
         self.cfg = cfg
         self.device = torch.device(device)
@@ -214,8 +220,8 @@ class Engine:
         """A one-token step is matrix-vector products: on CPU PyTorch's own bf16 kernel streams
         the weights ~1.5x faster than oneDNN's on plain weights (SmolLM2, AVX512-BF16); oneDNN
         wins from two rows, and at every row count once the weights are packed."""
-        if num_tokens != 1 or self.device.type != "cpu" or self.model.packed or \
-                not torch.backends.mkldnn.enabled:
+        if num_tokens != 1 or self.device.type != "cpu" or \
+                self.model.matmul is not MatmulPath.TORCH or not torch.backends.mkldnn.enabled:
             return contextlib.nullcontext()
         return _onednn_off()
 
@@ -226,9 +232,11 @@ class Engine:
             ids.extend(seq.tokens(start, start + n))
             positions.extend(range(start, start + n))
         seq_lens = [s.num_computed + n for s, n in zip(batch.seqs, batch.new_lens)]
+        kernel, compute_dtype = self.attention.for_step(
+            max(batch.new_lens) == 1, max((n for n, new in zip(seq_lens, batch.new_lens) if new > 1), default=0))
         attn = AttnBatch.build(seq_lens, batch.new_lens, [s.pages for s in batch.seqs],
-                               self.cfg.page_size, self.device, self.attention_kernel,
-                               rope_lens=[s.num_tokens for s in batch.seqs])
+                               self.cfg.page_size, self.device, kernel,
+                               rope_lens=[s.num_tokens for s in batch.seqs], compute_dtype=compute_dtype)
         hidden = self.model(torch.tensor(ids, device=self.device),
                             torch.tensor(positions, device=self.device), attn, self.pool)
         return self._account(batch, hidden)

@@ -1,21 +1,44 @@
 """The model's weight matmuls (y = x @ W.T + b), with the weight in the layout its kernel wants.
 
-`PlainLinear` calls F.linear on the parameter as stored. On CPU in bfloat16, oneDNN re-lays
-out a plain weight on every call; `PackedLinear` does that once at load time (oneDNN's
-blocked layout), which makes SmolLM2's matmuls ~1.3x faster at 32 rows and ~1.4x at one row,
-with bit-identical results (see docs/benchmarks.md, "Engine vs HF transformers").
+Which path is fastest depends on the CPU, so it is measured (engine/calibration.py) rather
+than assumed; every path takes and returns the model's dtype:
+- `torch`: F.linear on the weight as stored (any dtype, any device);
+- `onednn`: CPU bf16, the weight reordered once into oneDNN's blocked layout (it re-lays out a
+  plain weight on every call): ~1.3-1.4x plain F.linear on AVX-512 BF16, bit-identical;
+- `panel`: CPU bf16, our AVX2 kernel (cpu_matmul.c) on 16-column bf16 panels: where oneDNN
+  has no bf16 (no AVX-512) torch's bf16 F.linear is 10-80x slower than this;
+- `float32`: CPU bf16, the weight held in float32 and MKL's sgemm, output rounded to bf16
+  (twice the weight memory: for CPUs where neither bf16 path is fast).
 """
 
 from __future__ import annotations
+
+import enum
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 
+class MatmulPath(str, enum.Enum):
+    TORCH = "torch"
+    ONEDNN = "onednn"
+    PANEL = "panel"
+    FLOAT32 = "float32"
+
+
+class Linear(Protocol):
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    path: MatmulPath
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 class PlainLinear:
     """F.linear on the weight (and bias) tensors as they are; sees later in-place updates."""
 
-    packed = False
+    path = MatmulPath.TORCH
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
@@ -28,7 +51,7 @@ class PackedLinear:
     """The weight reordered once into oneDNN's blocked layout (an opaque tensor: the plain one
     can be dropped afterwards). CPU, bfloat16 only: see `can_pack`."""
 
-    packed = True
+    path = MatmulPath.ONEDNN
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, rows_hint: int = 32):
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
@@ -37,6 +60,36 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+class PanelLinear:
+    """The weight packed once into our kernel's bf16 panels (cpu_matmul.PanelMatmul)."""
+
+    path = MatmulPath.PANEL
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel):
+        self.kernel = kernel
+        self.out_features = weight.shape[0]
+        self.weight = kernel.pack(weight.detach().contiguous())
+        self.bias = None if bias is None else bias.detach().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or (x.stride(1) != 1 and x.shape[1] > 1):
+            x = x.reshape(-1, x.shape[-1]).contiguous()
+        return self.kernel.linear(x, self.weight, self.out_features, self.bias)
+
+
+class Float32Linear:
+    """The weight held in float32; x upcast, MKL's sgemm, the result rounded to x's dtype."""
+
+    path = MatmulPath.FLOAT32
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight.detach().float()
+        self.bias = None if bias is None else bias.detach().float()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
 
 
 def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -50,3 +103,40 @@ def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
                 and hasattr(ops, "_linear_pointwise") and bool(ops._is_mkldnn_bf16_supported()))
     except (AttributeError, RuntimeError):
         return False
+
+
+def available_paths(dtype: torch.dtype, device: torch.device | str, panel=None) -> list[MatmulPath]:
+    """The paths that work for a model of this dtype on this device (torch first); panel: the
+    loaded cpu_matmul.PanelMatmul, or None where it could not be built."""
+    paths = [MatmulPath.TORCH]
+    if torch.device(device).type == "cpu" and dtype is torch.bfloat16:
+        if can_pack(dtype, device):
+            paths.append(MatmulPath.ONEDNN)
+        if panel is not None:
+            paths.append(MatmulPath.PANEL)
+        paths.append(MatmulPath.FLOAT32)
+    return paths
+
+
+def default_path(dtype: torch.dtype, device: torch.device | str, panel=None) -> MatmulPath:
+    """The path to use without a measurement: oneDNN's packed bf16 where it has bf16, else our
+    panel kernel where built, else F.linear."""
+    paths = available_paths(dtype, device, panel)
+    for p in (MatmulPath.ONEDNN, MatmulPath.PANEL):
+        if p in paths:
+            return p
+    return MatmulPath.TORCH
+
+
+def make_linear(path: MatmulPath, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                panel=None) -> Linear:
+    """A matmul of `weight` (and `bias`) on `path` (one of available_paths)."""
+    if path is MatmulPath.TORCH:
+        return PlainLinear(weight, bias)
+    if path is MatmulPath.ONEDNN:
+        return PackedLinear(weight, bias)
+    if path is MatmulPath.PANEL:
+        if panel is None:
+            raise ValueError("matmul path 'panel' needs the built panel kernel (cpu_matmul)")
+        return PanelLinear(weight, bias, panel)
+    return Float32Linear(weight, bias)

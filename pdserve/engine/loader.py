@@ -14,6 +14,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ..model_files.hf_config import ModelConfig
+from .linear import MatmulPath, default_path
 from .model import CausalLM
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -101,10 +102,12 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device,
-               max_positions: int | None = None, pack: bool = True) -> tuple[CausalLM, ModelConfig]:
+               max_positions: int | None = None, matmul: MatmulPath | None = None,
+               panel=None) -> tuple[CausalLM, ModelConfig]:
     """Build the model for `model_dir` and fill every weight; errors name the offending tensor.
     `max_positions` bounds the RoPE table (default: the config's max_position_embeddings);
-    `pack` packs the matmul weights for the CPU kernels where that is exact (model.pack_weights)."""
+    `matmul`: the path the matmuls run on (model.use_matmul; `panel`: the built cpu_matmul
+    kernel, for MatmulPath.PANEL); None: linear.default_path."""
     cfg = ModelConfig.from_dir(model_dir)
     model = CausalLM(cfg, dtype, device, max_positions=max_positions)
     targets = weight_targets(model)
@@ -133,6 +136,5 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device,
         missing = sorted(targets)
         raise ValueError(f"{model_dir}: {len(missing)} weights missing, e.g. {missing[:3]}")
     model.eval()
-    if pack:
-        model.pack_weights()
+    model.use_matmul(matmul or default_path(dtype, device, panel), panel)
     return model, cfg

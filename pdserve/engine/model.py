@@ -5,7 +5,7 @@ Tokens of all sequences in a step are one flat [T] batch; only attention needs t
 sequence a token belongs to, and `paged_attention` handles that from the `AttnBatch`.
 For speed, q/k/v are one matmul and gate/up another, RoPE reads a precomputed cos/sin
 table by position, rotating q and k (adjacent in the fused output) in one go, and after loading
-the matmul weights may be packed into the CPU kernel's own layout (`pack_weights`). Each
+the matmul weights are put on the path measured fastest on this CPU (`use_matmul`). Each
 residual add runs with the next norm; norms and RoPE go through `TorchOps` or, in bf16 on CPU,
 our bit-identical C versions (`use_fused_ops`). Family differences are config fields, not
 branches on the architecture: per-head q/k norms (Qwen3, Gemma 3), Gemma's (1 + w) norms
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ..model_files.hf_config import ModelConfig
 from .attention import AttnBatch, AttnParams, paged_attention
 from .kv_pool import KVPool
-from .linear import PackedLinear, PlainLinear, can_pack
+from .linear import MatmulPath, PlainLinear, make_linear
 from .moe import MoEMLP
 from .rope import Rotary
 
@@ -128,12 +128,14 @@ class DecoderLayer(torch.nn.Module):
             self.gate_up = PlainLinear(self.gate_up_proj)
             self.down = PlainLinear(self.down_proj)
 
-    def pack_weights(self) -> None:
-        """Swap each matmul for a PackedLinear and free the plain copy of its weight."""
+    def use_matmul(self, path: MatmulPath, panel=None) -> None:
+        """Put each matmul on `path` (linear.make_linear) and free the plain copy of its weight
+        where the new layout replaces it."""
         for name in self._linears:
             plain = getattr(self, name)
-            setattr(self, name, PackedLinear(plain.weight, plain.bias))
-            plain.weight.data = plain.weight.data.new_empty(0)
+            setattr(self, name, make_linear(path, plain.weight, plain.bias, panel))
+            if path is not MatmulPath.TORCH:
+                plain.weight.data = plain.weight.data.new_empty(0)
 
     def _rope_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops) -> torch.Tensor:
         """q and k heads [T, Hq + Hkv, D] of the fused projection, normed (q/k norms) and rotated."""
@@ -181,7 +183,7 @@ class CausalLM(torch.nn.Module):
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else \
             _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.head = PlainLinear(self.lm_head)
-        self.packed = False
+        self.matmul = MatmulPath.TORCH  # see use_matmul
         self.fused = None  # cpu_fused.FusedOps, see use_fused_ops
         self.torch_ops = GemmaOps if cfg.gemma else TorchOps
         self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype) if cfg.gemma else None
@@ -235,15 +237,17 @@ class CausalLM(torch.nn.Module):
         return out if cap is None else torch.tanh(out / cap) * cap
 
     @torch.no_grad()
-    def pack_weights(self) -> bool:
-        """After loading: pack every matmul weight where `can_pack` (the embedding stays plain;
-        a tied lm_head gets its own packed copy). True if packed; idempotent."""
-        if self.packed or not can_pack(self.dtype, self.embed_tokens.device):
-            return self.packed
+    def use_matmul(self, path: MatmulPath, panel=None) -> None:
+        """After loading: every matmul on `path` (one of linear.available_paths; panel: the
+        built cpu_matmul kernel for MatmulPath.PANEL). The embedding stays plain; a tied
+        lm_head gets its own copy in the path's layout. Once only: the plain weights are freed."""
+        if path is self.matmul:
+            return
+        if self.matmul is not MatmulPath.TORCH:
+            raise RuntimeError(f"matmuls already on {self.matmul.value}; cannot move to {path.value}")
         for layer in self.layers:
-            layer.pack_weights()
-        self.head = PackedLinear(self.lm_head)
-        if self.lm_head is not self.embed_tokens:
+            layer.use_matmul(path, panel)
+        self.head = make_linear(path, self.lm_head, None, panel)
+        if path is not MatmulPath.TORCH and self.lm_head is not self.embed_tokens:
             self.lm_head.data = self.lm_head.data.new_empty(0)
-        self.packed = True
-        return True
+        self.matmul = path

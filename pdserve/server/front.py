@@ -21,6 +21,7 @@ from ..core.errors import PDServeError, Unavailable
 from ..core.envs import Envs
 from ..core.log_format import new_instance_id
 from ..core.netaddr import resolve_advertise_host
+from ..core.host import HostInfo
 from ..core.messages import WorkerReady
 from ..core.sampling import SamplingParams
 from .dispatcher import DPDispatcher
@@ -174,6 +175,7 @@ class Front:
         page_size = self.ready[0].page_size if self.ready else self.cfg.page_size
         limits = self.generator.limits
         workers = []
+        plans = {r.dp_rank: r.info.get("cpu_plan") for r in self.ready}
         for s in stats:
             load = self.dispatcher.loads[s.dp_rank]
             workers.append({"dp_rank": s.dp_rank, "total_pages": s.total_pages, "free_pages": s.free_pages,
@@ -181,7 +183,7 @@ class Front:
                             "waiting_requests": s.waiting_requests,
                             "inflight_transfers": s.inflight_transfers,
                             "front_inflight_requests": load.requests, "front_inflight_tokens": load.tokens,
-                            "extra": s.extra})
+                            "cpu_plan": plans.get(s.dp_rank), "extra": s.extra})
         info = {
             "model_path": self.model_dir, "tokenizer_path": self.model_dir,
             "served_model_name": self.model_name, "role": self.role.role.value,
@@ -195,6 +197,7 @@ class Front:
             "workers": workers,  # live ranks only; the dead ones are under dead_workers
             "dead_workers": [{"dp_rank": r, "reason": why} for r, why in sorted(self.pool.dead.items())],
             "admission": self.admission.stats(),
+            "cpu": {**HostInfo.read().summary(), "omp": self.pool.omp_env},
         }
         info.update(self.role.server_info())
         return info

@@ -85,6 +85,7 @@ class WorkerPool:
         self._pushes: list[zmq.Socket] = []
         self._pull: zmq.asyncio.Socket | None = None
         self._stopping = False
+        self.omp_env: dict[str, str] = {}  # what worker_env gave the workers (server_info "cpu")
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self, should_abort: Callable[[], bool] | None = None) -> list[WorkerReady]:
@@ -118,6 +119,7 @@ class WorkerPool:
             self._pushes.append(push)
             cmd = worker_command(self.worker_module, r, wcfg, self.model_dir, in_addr, out_addr)
             placement = worker_env(self.cfg, r, os.environ)
+            self.omp_env = placement
             wenv = {**os.environ, **placement, **secrets}
             self.procs.append(spawn_child(cmd, stdin=subprocess.DEVNULL, env=wenv))
             log.info("started dp worker rank %d (pid %d, module %s)", r, self.procs[-1].pid, self.worker_module)

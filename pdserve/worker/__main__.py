@@ -51,7 +51,8 @@ def main(argv=None) -> None:
 
     channel.send(WorkerReady(args.dp_rank, engine.cfg.num_pages, engine.cfg.page_size,
                              engine.cfg.max_context, {"dtype": str(dtype).removeprefix("torch."),
-                                                      "vocab_size": mcfg.vocab_size, **info}))
+                                                      "vocab_size": mcfg.vocab_size,
+                                                      "cpu_plan": engine.plan.to_json(), **info}))
     try:
         WorkerLoop(engine, role, channel, args.dp_rank).run()
     finally:

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
 from ..core.config import ServerConfig
 from ..core.cpu_binding import rank_cpus, threads_for
 from ..engine.cpu_fused import load_fused_ops
+from ..engine.calibration import Forced, PlanCache, plan_for
 from ..engine.cpu_kernels import PagedAttentionKernel, load_paged_attention
+from ..engine.cpu_matmul import load_matmul
+from ..engine.cpu_plan import AttentionPath, ElementwisePath
 from ..engine.engine import Engine, EngineConfig
 from ..engine.kv_pool import KVPool
+from ..engine.linear import MatmulPath
+from ..model_files.resolve import cache_root
 from ..engine.loader import load_model
 from ..grammar.matcher import Matchers
 
@@ -62,9 +68,21 @@ def kernel_cache(cfg: ServerConfig, dtype: torch.dtype, cache_dir: str) -> str |
     bfloat16 unless --cpu-kernels torch."""
     if cfg.cpu_kernels != "auto" or cfg.device != "cpu" or dtype is not torch.bfloat16:
         return None
-    from ..model_files.resolve import cache_root
-
     return cache_root(cache_dir)
+
+
+def panel_matmul(cfg: ServerConfig, dtype: torch.dtype, cache_dir: str):
+    """Our AVX2 bf16 matmul kernel (cpu_matmul.PanelMatmul) where wanted and it builds; else None."""
+    where = kernel_cache(cfg, dtype, cache_dir)
+    return None if where is None else load_matmul(where)
+
+
+def forced_choices(cfg: ServerConfig) -> Forced:
+    """The --cpu-* flags that fix a choice (auto: measured)."""
+    def val(enum_cls, v: str):
+        return None if v == "auto" else enum_cls(v)
+    return Forced(val(MatmulPath, cfg.cpu_matmul), val(AttentionPath, cfg.cpu_decode_attention),
+                  val(AttentionPath, cfg.cpu_prefill_attention), val(ElementwisePath, cfg.cpu_norms))
 
 
 def attention_kernel(cfg: ServerConfig, dtype: torch.dtype,
@@ -91,8 +109,15 @@ def build_engine(cfg: ServerConfig, model_dir: str, cache_dir: str = "", dp_rank
     mcfg = ModelConfig.from_dir(model_dir)
     dtype = pick_dtype(cfg.dtype, device, mcfg.torch_dtype)
     max_context = context_limit(mcfg, cfg.context_length, allow_long_context)
-    model, mcfg = load_model(model_dir, dtype, device, max_positions=max_context)
-    model.use_fused_ops(fused_ops(cfg, dtype, cache_dir))
+    model, mcfg = load_model(model_dir, dtype, device, max_positions=max_context, matmul=MatmulPath.TORCH)
+    kernel, panel, fused = (attention_kernel(cfg, dtype, cache_dir), panel_matmul(cfg, dtype, cache_dir),
+                            fused_ops(cfg, dtype, cache_dir))
+    if kernel is not None and not kernel.supports_model(dtype, mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim):
+        kernel = None  # e.g. head_dim 80: the torch path
+    plan = plan_for(model, device, kernel, panel, fused, forced_choices(cfg), cfg.cpu_calibration,
+                    PlanCache(Path(cache_root(cache_dir)) / "calibration"), torch.get_num_threads())
+    model.use_matmul(plan.matmul, panel)
+    model.use_fused_ops(fused if plan.elementwise is ElementwisePath.FUSED else None)
     per_page = KVPool.bytes_per_page(mcfg.num_layers, cfg.page_size, mcfg.num_kv_heads,
                                      mcfg.head_dim, dtype)
     pages = num_kv_pages(cfg, per_page, device)
@@ -110,8 +135,9 @@ def build_engine(cfg: ServerConfig, model_dir: str, cache_dir: str = "", dp_rank
         # longrope / dynamic NTK: a page's keys depend on its sequence's length, not shareable
         prefix_cache=not cfg.disable_prefix_cache and not model.rope_depends_on_length,
     )
-    engine = Engine(model, pool, ecfg, device, attention_kernel(cfg, dtype, cache_dir),
-                    grammar_matchers(model_dir, mcfg.vocab_size, ecfg.eos_token_ids, torch.get_num_threads()))
+    engine = Engine(model, pool, ecfg, device, kernel,
+                    grammar_matchers(model_dir, mcfg.vocab_size, ecfg.eos_token_ids, torch.get_num_threads()),
+                    plan=plan)
     return engine, mcfg, dtype
 
 

@@ -1,6 +1,7 @@
-"""Packed matmul weights (engine/linear.py): bit-identical to F.linear in bfloat16 at every row
-count, used only where exact, the plain copies freed, and a bf16 engine's greedy tokens,
-sampled tokens and logprobs unchanged by packing."""
+"""The matmul paths (engine/linear.py): oneDNN's packed weights bit-identical to F.linear in
+bfloat16 at every row count, used only where exact, the plain copies freed, and a bf16 engine's
+greedy tokens, sampled tokens and logprobs unchanged by packing; our AVX2 panel kernel within
+bf16 rounding of float64 and batch-invariant; which paths exist where."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from tiny_model import make_tiny_model  # noqa: E402
 from pdserve.core.sampling import SamplingParams  # noqa: E402
 from pdserve.engine.engine import Engine, EngineConfig  # noqa: E402
 from pdserve.engine.kv_pool import KVPool  # noqa: E402
-from pdserve.engine.linear import PackedLinear, PlainLinear, can_pack  # noqa: E402
+from pdserve.engine.cpu_matmul import load_matmul  # noqa: E402
+from pdserve.engine.linear import (MatmulPath, PackedLinear, PlainLinear, available_paths,  # noqa: E402
+                                   can_pack, default_path, make_linear)
 from pdserve.engine.loader import load_model  # noqa: E402
 from pdserve.engine.sequence import EngineRequest  # noqa: E402
 
@@ -55,7 +58,8 @@ def tiny_path(tmp_path_factory):
 
 def test_float32_models_are_never_packed(tiny_path):
     model, _ = load_model(tiny_path, torch.float32, "cpu")
-    assert not model.packed and not model.pack_weights()
+    assert model.matmul is MatmulPath.TORCH
+    assert available_paths(torch.float32, "cpu", panel=object()) == [MatmulPath.TORCH]
     assert model.layers[0].qkv_proj.numel() > 0
 
 
@@ -78,9 +82,9 @@ def _run(model, cfg, requests: list[EngineRequest]) -> dict[str, tuple[list[int]
 
 @needs_pack
 def test_bf16_engine_output_unchanged_by_packing(tiny_path):
-    packed, cfg = load_model(tiny_path, torch.bfloat16, "cpu")
-    plain, _ = load_model(tiny_path, torch.bfloat16, "cpu", pack=False)
-    assert packed.packed and not plain.packed
+    packed, cfg = load_model(tiny_path, torch.bfloat16, "cpu", matmul=MatmulPath.ONEDNN)
+    plain, _ = load_model(tiny_path, torch.bfloat16, "cpu", matmul=MatmulPath.TORCH)
+    assert packed.matmul is MatmulPath.ONEDNN and plain.matmul is MatmulPath.TORCH
     assert packed.layers[0].gate_up_proj.numel() == 0  # the plain copy is freed
     assert packed.embed_tokens.numel() > 0  # embeddings stay (tied lm_head has its own copy)
 
@@ -95,3 +99,94 @@ def test_bf16_engine_output_unchanged_by_packing(tiny_path):
     longer = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
     got_packed, got_plain = _run(packed, cfg, requests()), _run(plain, cfg, requests())
     assert got_packed == got_plain
+
+
+# ---- our panel kernel (cpu_matmul.c) -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def panel(kernel_cache_dir):
+    k = load_matmul(kernel_cache_dir)
+    if k is None:
+        pytest.skip("no AVX2+FMA CPU or no gcc here: load_matmul gave None")
+    return k
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """What bf16 output rounding (half an ulp: 2^-9 relative, 2^-8 to be safe at binade edges)
+    plus a float32 sum of K products (K * 2^-24 of the sum of |products|) can move a result."""
+    ref = x.double() @ w.double().T + (0 if b is None else b.double())
+    mag = x.double().abs() @ w.double().abs().T
+    return ref, ref.abs() * 2.0 ** -8 + mag * x.shape[1] * 2.0 ** -24 + 1e-30
+
+
+@pytest.mark.parametrize("n,k", [(3072, 576), (37, 70), (16, 8), (200, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_within_bf16_rounding_of_float64(panel, n, k, bias):
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    lin = make_linear(MatmulPath.PANEL, w, b, panel)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 13, 64):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        y = lin(x)
+        assert y.dtype is torch.bfloat16 and y.shape == (rows, n)
+        ref, tol = _bound(x, w, b)
+        assert ((y.double() - ref).abs() <= tol).all(), (rows, (y.double() - ref).abs().max())
+
+
+def test_panel_is_batch_and_thread_invariant(panel):
+    """A row's output bits depend on nothing but the row: not on its batch, its place in it,
+    the row count (whose register blocks differ) or the thread count."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(130, 96, generator=g).bfloat16()
+    lin = make_linear(MatmulPath.PANEL, w, None, panel)
+    x = torch.randn(40, 96, generator=g).bfloat16()
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(40)])
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for rows in (2, 3, 5, 6, 7, 12, 40):
+                assert torch.equal(lin(x[:rows]), alone[:rows]), (threads, rows)
+            assert torch.equal(lin(x[7:19]), alone[7:19])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_panel_takes_strided_rows_and_nan(panel):
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(48, 32, generator=g).bfloat16()
+    lin = make_linear(MatmulPath.PANEL, w, None, panel)
+    wide = torch.randn(9, 64, generator=g).bfloat16()
+    assert torch.equal(lin(wide[:, :32]), lin(wide[:, :32].contiguous()))
+    x = torch.randn(2, 32, generator=g).bfloat16()
+    x[1, 3] = float("nan")
+    y = lin(x)
+    assert not y[0].isnan().any() and y[1].isnan().all()
+
+
+def test_paths_where_they_exist(panel):
+    bf16 = available_paths(torch.bfloat16, "cpu", panel)
+    assert bf16[0] is MatmulPath.TORCH and MatmulPath.PANEL in bf16 and MatmulPath.FLOAT32 in bf16
+    assert (MatmulPath.ONEDNN in bf16) == can_pack(torch.bfloat16, "cpu")
+    assert MatmulPath.PANEL not in available_paths(torch.bfloat16, "cpu", None)
+    assert available_paths(torch.bfloat16, "cuda", panel) == [MatmulPath.TORCH]
+    assert default_path(torch.bfloat16, "cpu", panel) is (
+        MatmulPath.ONEDNN if can_pack(torch.bfloat16, "cpu") else MatmulPath.PANEL)
+    with pytest.raises(ValueError, match="panel"):
+        make_linear(MatmulPath.PANEL, torch.zeros(4, 4, dtype=torch.bfloat16), None, None)
+
+
+@pytest.mark.parametrize("path", [MatmulPath.PANEL, MatmulPath.FLOAT32])
+def test_bf16_engine_on_each_path_frees_plain_weights_and_runs(tiny_path, panel, path):
+    """The whole model on the path: its plain weights freed (a tied lm_head keeps the
+    embedding), greedy output within bf16 noise of F.linear's (same tokens on this tiny model)."""
+    plain, cfg = load_model(tiny_path, torch.bfloat16, "cpu", matmul=MatmulPath.TORCH)
+    other, _ = load_model(tiny_path, torch.bfloat16, "cpu", matmul=path, panel=panel)
+    assert other.matmul is path
+    assert other.layers[0].gate_up_proj.numel() == 0 and other.embed_tokens.numel() > 0
+    with pytest.raises(RuntimeError, match="already on"):
+        other.use_matmul(MatmulPath.TORCH)
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    reqs = lambda: [EngineRequest(f"r{i}", p, greedy) for i, p in enumerate([[5, 9, 11], list(range(3, 30))])]
+    a, b = _run(plain, cfg, reqs()), _run(other, cfg, reqs())
+    assert [t for t, _ in a.values()] == [t for t, _ in b.values()]
