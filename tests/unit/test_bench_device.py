@@ -35,3 +35,29 @@ def test_engine_bench_refuses_other_devices(capsys):
     with pytest.raises(SystemExit):
         engine_bench.main(["--device", "mps"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, want", [([], "cpu"), (["--device", "cuda"], "cuda")])
+def test_pd_bench_device_reaches_every_server(monkeypatch, argv, want):
+    from pdserve.bench import pd_bench
+
+    started = []
+
+    class Proc:
+        def __init__(self, args):
+            started.append(args)
+
+        def wait(self):
+            raise _Stop
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(resolve, "resolve_model", lambda name, cache_dir="": "/no/model")
+    monkeypatch.setattr(pd_bench, "_Proc", Proc)
+    with pytest.raises(_Stop):
+        pd_bench.main(argv)
+    assert len(started) == 5
+    for args in started:
+        i = args.index("--device")
+        assert args[i + 1] == want and args.count("--device") == 1
