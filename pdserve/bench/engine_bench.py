@@ -16,12 +16,13 @@ from dataclasses import dataclass
 import torch
 
 
-def _engine(model_dir: str, dtype: str, threads: int, max_running: int, cpu_kernels: str = "auto"):
+def _engine(model_dir: str, dtype: str, threads: int, max_running: int, cpu_kernels: str = "auto",
+            device: str = "cpu"):
     from ..core.config import ServerConfig
     from ..worker.setup import build_engine
 
     cfg = ServerConfig(model=model_dir, dtype=dtype, num_threads=threads, max_total_tokens=65536,
-                       max_running_requests=max_running, cpu_kernels=cpu_kernels)
+                       max_running_requests=max_running, cpu_kernels=cpu_kernels, device=device)
     engine, mcfg, _ = build_engine(cfg, model_dir)
     return engine
 
@@ -36,6 +37,8 @@ class Timing:
 def _timed(fn) -> Timing:
     w0, c0 = time.perf_counter(), time.process_time()
     n = fn()
+    if torch.cuda.is_initialized():  # --device cuda: the clock stops when the GPU's work is done
+        torch.cuda.synchronize()
     return Timing(time.perf_counter() - w0, time.process_time() - c0, n)
 
 
@@ -64,8 +67,8 @@ def _hf_generate(model, prompts: list[list[int]], new_tokens: int, batch: int) -
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]
         width = max(len(p) for p in chunk)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=model.device)
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
@@ -84,6 +87,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cpu-kernels", default="auto", choices=["auto", "torch"],
                    help="our C kernels (attention, norms, RoPE) where they apply, or torch")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="torch device of both engines (ours and HF's)")
     a = p.parse_args(argv)
     import os
 
@@ -96,8 +101,9 @@ def main(argv=None) -> None:
     torch.set_num_threads(threads)
     model_dir = resolve_model(a.model, Envs.read().cache_dir)
     dtype = getattr(torch, a.dtype)
-    engine = _engine(model_dir, a.dtype, threads, max(a.concurrency, 1), a.cpu_kernels)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").eval()
+    engine = _engine(model_dir, a.dtype, threads, max(a.concurrency, 1), a.cpu_kernels, a.device)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    hf = hf.to(a.device).eval()
     g = torch.Generator().manual_seed(0)
     vocab = engine.cfg.vocab_size
     one = [torch.randint(100, vocab, (32,), generator=g).tolist()]
@@ -114,7 +120,7 @@ def main(argv=None) -> None:
             rows[k].append(fn())
     kernels = [name for name, on in (("attention", engine.attention_kernel),
                                      ("norms_rope", engine.model.fused)) if on is not None]
-    print(f"model={model_dir} dtype={a.dtype} threads={threads} new_tokens={a.new_tokens} "
+    print(f"model={model_dir} device={a.device} dtype={a.dtype} threads={threads} new_tokens={a.new_tokens} "
           f"repeats={a.repeats} cpu_kernels={','.join(kernels) or 'none'}")
     print(f"{'case (median tokens/s)':<40}{'clock':>6}{'pdserve':>10}{'HF':>10}{'ratio':>8}")
     cases = (("single-stream decode", "single"),

@@ -140,6 +140,7 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--balanced-method", default="round_robin", choices=["round_robin", "shortest_queue",
                                                                        "minimum_tokens"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="every server's --device")
     a = p.parse_args(argv)
     from ..core.envs import Envs
     from ..model_files.resolve import resolve_model
@@ -147,7 +148,7 @@ def main(argv=None) -> None:
     model = resolve_model(a.model, Envs.read().cache_dir)
     # prefix cache off: every setup sends the same prompt in turn, and a cached one would skip its prefill
     common = ["--model", model, "--dtype", a.dtype, "--max-total-tokens", "16384", "--num-threads", "1",
-              "--disable-prefix-cache"]
+              "--disable-prefix-cache", "--device", a.device]
     procs = [_Proc(["--role", "colocated", *common]), _Proc(["--role", "prefill", "--dp-size", "2", *common]),
              _Proc(["--role", "prefill", "--dp-size", "2", "--load-balance-method", a.balanced_method, *common])]
     procs += [_Proc(["--role", "decode", *common]),
@@ -155,8 +156,8 @@ def main(argv=None) -> None:
     try:
         for x in procs:
             x.wait()
-        print(f"model={model} colocated dp1 | prefill dp2 (follow_bootstrap_room) | prefill dp2 "
-              f"({a.balanced_method}, forwarded KV requests) | decode dp1 fast path and decode dp1 with "
+        print(f"model={model} device={a.device} colocated dp1 | prefill dp2 (follow_bootstrap_room) | "
+              f"prefill dp2 ({a.balanced_method}, forwarded KV requests) | decode dp1 fast path and decode dp1 with "
               f"FORCE (query path); {a.repeats} sequential 1-token requests per length; "
               f"1 torch thread per worker")
         asyncio.run(_run(a, *procs))
