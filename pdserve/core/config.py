@@ -109,6 +109,11 @@ class ServerConfig:
                                       "where faster), kernel_per_query, torch, torch_fp32; auto: "
                                       "measured per KV length", ("auto", "kernel", "kernel_per_query",
                                                                  "torch", "torch_fp32"), default="auto")
+    cpu_wait_policy: str = _opt(
+        "how workers' OpenMP threads wait between parallel regions: auto (measured once per CPU: "
+        "spinning is fast on a quiet machine, sleeping is fast beside busy neighbours), passive, "
+        "active or spin:N (libgomp's GOMP_SPINCOUNT); a user's OMP_WAIT_POLICY or GOMP_SPINCOUNT "
+        "wins over auto", default="auto")
     cpu_norms: str = _opt("force norms and RoPE: fused (our C ops) or torch; auto: measured",
                           ("auto", "fused", "torch"), default="auto")
     num_threads: int = _opt("torch threads per worker (0 = its --cpu-bind cores, or cores / dp_size)",
@@ -147,6 +152,10 @@ class ServerConfig:
 
         for rank in range(max(1, self.dp_size)):  # a bad --cpu-bind fails at start-up, naming it
             rank_cpus(self.cpu_bind, rank, max(1, self.dp_size))
+        if self.cpu_wait_policy != "auto":
+            from .wait_policy import env_for
+
+            env_for(self.cpu_wait_policy)  # raises ValueError naming the flag
         for name in ("disagg_local_prefill_max_tokens", "disagg_prefill_overload_tokens"):
             flag = _flag(name)
             if getattr(self, name) and Role(self.role) is not Role.DECODE:

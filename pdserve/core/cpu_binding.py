@@ -2,13 +2,14 @@
 VLLM_CPU_OMP_THREADS_BIND: `auto` splits the cores this process may use among the ranks,
 `none` leaves placement to the kernel, and an explicit list gives each rank its cores
 (`0-3|4-7`, ranks separated by `|`). A bound worker is confined to its cores and runs one
-torch thread per core; its OpenMP threads wait passively (omp_env), so no worker spins on a
-core another worker or process needs."""
+torch thread per core; how its OpenMP threads wait is measured per CPU (core/wait_policy.py).
+Threads are not pinned one by one: GOMP_CPU_AFFINITY put both compute threads of a server
+worker on one core, so a worker is confined to its cores (set_process_cpus) and the kernel
+places its threads."""
 
 from __future__ import annotations
 
 import os
-from typing import Mapping
 
 
 class CpuBindError(ValueError):
@@ -71,16 +72,6 @@ def threads_for(num_threads: int, cpus: list[int] | None, dp_size: int) -> int:
     if cpus:
         return len(cpus)
     return max(1, len(available_cpus()) // max(1, dp_size))
-
-
-def omp_env(current: Mapping[str, str]) -> dict[str, str]:
-    """OpenMP environment for a worker: threads that wait sleep instead of spinning
-    (OMP_WAIT_POLICY=PASSIVE), so a busy process beside a 2-thread worker costs it the core it
-    takes, not every barrier (1k-token prefill beside one: 1.5 s passive, 6.7 s spinning;
-    alone 0.88 vs 0.92 s). A user's own OMP_WAIT_POLICY wins. Threads are not pinned one by
-    one: GOMP_CPU_AFFINITY put both compute threads of a server worker on one core, so a
-    worker is confined to its cores (set_process_cpus) and the kernel places its threads."""
-    return {} if "OMP_WAIT_POLICY" in current else {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def set_process_cpus(cpus: list[int] | None) -> None:

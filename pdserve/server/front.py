@@ -197,7 +197,8 @@ class Front:
             "workers": workers,  # live ranks only; the dead ones are under dead_workers
             "dead_workers": [{"dp_rank": r, "reason": why} for r, why in sorted(self.pool.dead.items())],
             "admission": self.admission.stats(),
-            "cpu": {**HostInfo.read().summary(), "omp": self.pool.omp_env},
+            "cpu": {**HostInfo.read().summary(),
+                    "wait_policy": self.pool.wait.summary() if self.pool.wait else None},
         }
         info.update(self.role.server_info())
         return info

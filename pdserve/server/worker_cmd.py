@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Mapping
 
 from ..core.config import ServerConfig, config_to_json
-from ..core.cpu_binding import omp_env
+from ..core.cpu_binding import rank_cpus, threads_for
+from ..core.envs import Envs
+from ..core.wait_policy import WaitChoice, resolve
+from ..model_files.resolve import cache_root
 
 DEFAULT_WORKER_MODULE = "pdserve.worker"
 
@@ -18,6 +22,15 @@ def worker_command(worker_module: str, dp_rank: int, cfg: ServerConfig, model_di
             "--in-addr", in_addr, "--out-addr", out_addr]
 
 
-def worker_env(cfg: ServerConfig, dp_rank: int, current: Mapping[str, str]) -> dict[str, str]:
-    """The OpenMP placement of one worker (core/cpu_binding.py), read when torch starts in it."""
-    return omp_env(current)
+def worker_env(wait: WaitChoice, current: Mapping[str, str]) -> dict[str, str]:
+    """What a worker's environment adds to ours: its OpenMP wait setting (core/wait_policy.py),
+    read when torch starts in it."""
+    return dict(wait.env)
+
+
+def wait_choice(cfg: ServerConfig, current: Mapping[str, str]) -> WaitChoice:
+    """The wait setting for this server's workers (rank 0's threads and cores stand for all)."""
+    cpus = rank_cpus(cfg.cpu_bind, 0, cfg.dp_size)
+    threads = threads_for(cfg.num_threads, cpus, cfg.dp_size)
+    cache = Path(cache_root(Envs.read().cache_dir)) / "calibration"
+    return resolve(cfg.cpu_wait_policy, threads, cpus, cache, current)

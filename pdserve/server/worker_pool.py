@@ -33,7 +33,8 @@ from ..core.config import ServerConfig
 from ..core.errors import BadRequest, Timeout, Unavailable
 from ..core.messages import (AbortReq, ErrorInfo, GenerateReq, OutputBatch, ShutdownReq, StatsReq,
                              TokenOutput, WorkerFailed, WorkerReady, WorkerStats)
-from .worker_cmd import DEFAULT_WORKER_MODULE, worker_command, worker_env
+from ..core.wait_policy import WaitChoice
+from .worker_cmd import DEFAULT_WORKER_MODULE, wait_choice, worker_command, worker_env
 
 log = logging.getLogger(__name__)
 ABORT_GRACE_S = 60.0  # how long an aborted rid stays reserved waiting for the worker's last output
@@ -85,11 +86,13 @@ class WorkerPool:
         self._pushes: list[zmq.Socket] = []
         self._pull: zmq.asyncio.Socket | None = None
         self._stopping = False
-        self.omp_env: dict[str, str] = {}  # what worker_env gave the workers (server_info "cpu")
+        self.wait: WaitChoice | None = None  # how workers' OpenMP threads wait (server_info "cpu")
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self, should_abort: Callable[[], bool] | None = None) -> list[WorkerReady]:
         try:
+            if self.wait is None:  # may run probes for seconds the first time on a host
+                self.wait = await asyncio.to_thread(wait_choice, self.cfg, os.environ)
             self._spawn()
             await self._wait_ready(should_abort)
         except BaseException:
@@ -118,8 +121,7 @@ class WorkerPool:
             push.bind(in_addr)
             self._pushes.append(push)
             cmd = worker_command(self.worker_module, r, wcfg, self.model_dir, in_addr, out_addr)
-            placement = worker_env(self.cfg, r, os.environ)
-            self.omp_env = placement
+            placement = worker_env(self.wait, os.environ)
             wenv = {**os.environ, **placement, **secrets}
             self.procs.append(spawn_child(cmd, stdin=subprocess.DEVNULL, env=wenv))
             log.info("started dp worker rank %d (pid %d, module %s)", r, self.procs[-1].pid, self.worker_module)

@@ -8,9 +8,9 @@ import os
 import pytest
 
 from pdserve.core.config import ServerConfig
-from pdserve.core.cpu_binding import (CpuBindError, omp_env, parse_cpus, rank_cpus,
-                                      split_among_servers, threads_for)
-from pdserve.server.worker_cmd import worker_env
+from pdserve.core.cpu_binding import CpuBindError, parse_cpus, rank_cpus, split_among_servers, threads_for
+from pdserve.core.wait_policy import WaitChoice
+from pdserve.server.worker_cmd import wait_choice, worker_env
 
 
 def test_parse_cpus():
@@ -50,13 +50,14 @@ def test_threads_follow_the_bound_cores_unless_given():
     assert threads_for(0, None, 1) >= 1
 
 
-def test_openmp_environment():
-    assert omp_env(current={}) == {"OMP_WAIT_POLICY": "PASSIVE"}  # never spin on a shared core
-    assert omp_env(current={"OMP_WAIT_POLICY": "ACTIVE"}) == {}  # the user's own setting wins
-
-
 def test_worker_env_from_the_server_config():
-    assert worker_env(ServerConfig(dp_size=2, cpu_bind="0|1"), 1, {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert worker_env(WaitChoice("passive", {"OMP_WAIT_POLICY": "PASSIVE"}, "x"), {}) == {
+        "OMP_WAIT_POLICY": "PASSIVE"}
+    # the rank's own threads decide: one thread per rank needs no measurement
+    one = wait_choice(ServerConfig(dp_size=2, cpu_bind="0|1"), {})
+    assert one.policy == "passive" and "one thread" in one.reason
+    assert wait_choice(ServerConfig(cpu_wait_policy="spin:500"), {}).env == {"GOMP_SPINCOUNT": "500"}
+    assert wait_choice(ServerConfig(), {"OMP_WAIT_POLICY": "ACTIVE"}).env == {}  # the user's own wins
 
 
 def test_servers_started_together_get_their_own_cores_where_there_are_enough():
@@ -97,7 +98,8 @@ def test_a_one_rank_worker_uses_every_core(tmp_path):
     from tiny_model import make_tiny_model
 
     model = make_tiny_model(str(tmp_path / "tiny"))
-    srv = Server("colocated", model, log_dir=str(tmp_path), extra=["--num-threads", "0"])
+    srv = Server("colocated", model, log_dir=str(tmp_path), extra=["--num-threads", "0",
+                                                                   "--cpu-wait-policy", "spin:1234"])
     try:
         srv.wait_ready()
         import httpx
@@ -108,7 +110,10 @@ def test_a_one_rank_worker_uses_every_core(tmp_path):
         assert _thread_cpus(worker) == set(os.sched_getaffinity(0))
         env = open(f"/proc/{worker}/environ", "rb").read().split(b"\0")
         assert not [e for e in env if e.startswith(b"GOMP_CPU_AFFINITY=")]
-        assert b"OMP_WAIT_POLICY=PASSIVE" in env or "OMP_WAIT_POLICY" in os.environ
+        assert b"GOMP_SPINCOUNT=1234" in env or "GOMP_SPINCOUNT" in os.environ
+        info = httpx.get(srv.url + "/server_info", timeout=30).json()["cpu"]
+        assert info["wait_policy"]["env"] == {"GOMP_SPINCOUNT": "1234"}
+        assert "forced" in info["wait_policy"]["reason"] and info["cores"] >= 2
     finally:
         srv.stop()
 

@@ -1,0 +1,181 @@
+"""How a worker's OpenMP threads wait between parallel regions: chosen by measuring (stdlib only).
+
+Spinning threads answer the next region at once, which single-stream decode (hundreds of small
+regions a step) needs on some CPUs (an Intel Xeon lost 40% with passive waits); a spinning thread
+also keeps a core another process wants, which costs 2-7x beside a busy neighbour. So the front
+runs engine/wait_probe.py once per candidate setting, in a subprocess on the worker's cores,
+alone and beside a CPU-bound process, and keeps the setting with the best product of the two
+(each relative to the best), cached per CPU, threads and torch version like the engine's plan.
+A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT, or --cpu-wait-policy, is taken as given.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+from .host import HostInfo
+
+log = logging.getLogger(__name__)
+
+# libgomp: OMP_WAIT_POLICY=PASSIVE never spins, ACTIVE always does; unset, a waiting thread
+# spins GOMP_SPINCOUNT times (default 300000) and then sleeps
+CANDIDATES: dict[str, dict[str, str]] = {
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "spin:10000": {"GOMP_SPINCOUNT": "10000"},
+    "spin:100000": {"GOMP_SPINCOUNT": "100000"},
+    "active": {"OMP_WAIT_POLICY": "ACTIVE"},
+}
+USER_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+PROBE_TIMEOUT_S = 90.0
+VERSION = 1
+
+
+def env_for(spec: str) -> dict[str, str]:
+    """--cpu-wait-policy passive | active | spin:N -> the environment that asks libgomp for it."""
+    if spec in CANDIDATES:
+        return dict(CANDIDATES[spec])
+    kind, _, count = spec.partition(":")
+    if kind == "spin" and count.isdigit():
+        return {"GOMP_SPINCOUNT": count}
+    raise ValueError(f"--cpu-wait-policy {spec!r}: expected auto, passive, active or spin:N")
+
+
+@dataclass(frozen=True)
+class WaitChoice:
+    policy: str  # a CANDIDATES key, spin:N, or "user" (the environment's own)
+    env: dict[str, str]
+    reason: str
+    measured: dict[str, dict[str, float]] = field(default_factory=dict)  # policy -> quiet/busy ms
+
+    def summary(self) -> dict:
+        return {"policy": self.policy, "env": self.env, "reason": self.reason, "measured_ms": self.measured}
+
+
+def pick(measured: dict[str, dict[str, float]]) -> tuple[str, str]:
+    """(policy, why): the smallest (quiet / best quiet) x (busy / best busy)."""
+    bq = min(m["quiet_ms"] for m in measured.values())
+    bb = min(m["busy_ms"] for m in measured.values())
+    score = {p: (m["quiet_ms"] / bq) * (m["busy_ms"] / bb) for p, m in measured.items()}
+    best = min(score, key=score.get)
+    shown = ", ".join(f"{p} {m['quiet_ms']:.3g}/{m['busy_ms']:.3g} ms"
+                      for p, m in sorted(measured.items(), key=lambda kv: score[kv[0]]))
+    return best, f"{best}: best balance of quiet and busy-neighbour speed (quiet/busy: {shown})"
+
+
+Probe = Callable[[dict[str, str], int, list[int]], dict[str, float]]
+
+
+def run_probe(env: dict[str, str], threads: int, cpus: list[int]) -> dict[str, float]:
+    """engine/wait_probe.py in a subprocess with `env` on top of ours (user's wait vars removed)."""
+    base = {k: v for k, v in os.environ.items() if k not in USER_VARS}
+    done = subprocess.run([sys.executable, "-m", "pdserve.engine.wait_probe", "--threads", str(threads),
+                           "--cpus", ",".join(map(str, cpus))], env={**base, **env},
+                          capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(f"wait probe failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _key(host: HostInfo, threads: int) -> dict:
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = ""
+    return {"cpu": host.model_name, "flags": sorted(host.isa_flags), "cores": host.cores,
+            "threads": threads, "torch": torch_version, "candidates": sorted(CANDIDATES), "version": VERSION}
+
+
+def resolve(spec: str, threads: int, cpus: list[int] | None, cache_dir: Path | None,
+            current: Mapping[str, str], probe: Probe = run_probe, host: HostInfo | None = None) -> WaitChoice:
+    """The wait setting for workers of `threads` threads on `cpus` (None: all of ours)."""
+    if spec != "auto":
+        return WaitChoice(spec, env_for(spec), "forced by --cpu-wait-policy")
+    own = {k: current[k] for k in USER_VARS if k in current}
+    if own:
+        return WaitChoice("user", {}, f"the environment's own {', '.join(f'{k}={v}' for k, v in own.items())}")
+    if threads <= 1:
+        return WaitChoice("passive", env_for("passive"), "one thread per worker: no region waits for another thread")
+    host = host or HostInfo.read()
+    key = _key(host, threads)
+    path = None
+    if cache_dir is not None:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        path = cache_dir / f"wait-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}.json"
+    with _locked(path):
+        cached = _load(path, key)
+        if cached is not None:
+            return cached
+        cpus = cpus or sorted(os.sched_getaffinity(0))
+        measured, t0 = {}, time.monotonic()
+        for name, env in CANDIDATES.items():
+            try:
+                measured[name] = probe(env, threads, cpus)
+            except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
+                log.warning("wait policy %s: probe failed: %s", name, e)
+        if not measured:
+            return WaitChoice("passive", env_for("passive"), "probes failed: passive, the safe choice beside busy work")
+        policy, why = pick(measured)
+        choice = WaitChoice(policy, env_for(policy), why, measured)
+        log.info("wait policy measured in %.1f s: %s", time.monotonic() - t0, why)
+        if path is not None:
+            _store(path, key, choice)
+        return choice
+
+
+def _load(path: Path | None, key: dict) -> WaitChoice | None:
+    if path is None:
+        return None
+    try:
+        d = json.loads(path.read_text())
+        if d["key"] != key:
+            return None
+        return WaitChoice(d["policy"], dict(d["env"]), d["reason"], d.get("measured_ms", {}))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _store(path: Path, key: dict, choice: WaitChoice) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"key": key, **choice.summary()}, f, indent=1)
+    os.replace(tmp, path)
+
+
+class _locked:
+    """An exclusive lock next to `path` while probing (servers starting together probe once),
+    given up after PROBE_TIMEOUT_S x candidates (a stuck holder) with a warning."""
+
+    def __init__(self, path: Path | None):
+        self.path, self.f = path, None
+
+    def __enter__(self):
+        if self.path is None:
+            return self
+        self.f = open(str(self.path) + ".lock", "w")
+        deadline = time.monotonic() + PROBE_TIMEOUT_S * len(CANDIDATES)
+        while True:
+            try:
+                fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    log.warning("wait policy: %s.lock still held; probing without it", self.path)
+                    return self
+                time.sleep(0.1)
+
+    def __exit__(self, *exc):
+        if self.f is not None:
+            self.f.close()  # closing releases the lock
+        return False
