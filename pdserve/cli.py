@@ -58,6 +58,7 @@ BENCHES = {
     "pd-reuse": "pdserve.bench.pd_reuse_bench",
     "chaos": "pdserve.bench.chaos",
     "structured": "pdserve.bench.structured_bench",
+    "calibrate": "pdserve.bench.calibrate",
 }
 
 

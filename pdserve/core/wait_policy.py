@@ -98,8 +98,10 @@ def _key(host: HostInfo, threads: int) -> dict:
 
 
 def resolve(spec: str, threads: int, cpus: list[int] | None, cache_dir: Path | None,
-            current: Mapping[str, str], probe: Probe = run_probe, host: HostInfo | None = None) -> WaitChoice:
-    """The wait setting for workers of `threads` threads on `cpus` (None: all of ours)."""
+            current: Mapping[str, str], probe: Probe = run_probe, host: HostInfo | None = None,
+            redo: bool = False) -> WaitChoice:
+    """The wait setting for workers of `threads` threads on `cpus` (None: all of ours); redo:
+    probe again even if a cached choice exists."""
     if spec != "auto":
         return WaitChoice(spec, env_for(spec), "forced by --cpu-wait-policy")
     own = {k: current[k] for k in USER_VARS if k in current}
@@ -114,7 +116,7 @@ def resolve(spec: str, threads: int, cpus: list[int] | None, cache_dir: Path | N
         cache_dir.mkdir(parents=True, exist_ok=True)
         path = cache_dir / f"wait-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}.json"
     with _locked(path):
-        cached = _load(path, key)
+        cached = None if redo else _load(path, key)
         if cached is not None:
             return cached
         cpus = cpus or sorted(os.sched_getaffinity(0))

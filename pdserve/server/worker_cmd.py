@@ -28,9 +28,10 @@ def worker_env(wait: WaitChoice, current: Mapping[str, str]) -> dict[str, str]:
     return dict(wait.env)
 
 
-def wait_choice(cfg: ServerConfig, current: Mapping[str, str]) -> WaitChoice:
-    """The wait setting for this server's workers (rank 0's threads and cores stand for all)."""
+def wait_choice(cfg: ServerConfig, current: Mapping[str, str], redo: bool = False) -> WaitChoice:
+    """The wait setting for this server's workers (rank 0's threads and cores stand for all);
+    redo: probe again (pdserve bench calibrate)."""
     cpus = rank_cpus(cfg.cpu_bind, 0, cfg.dp_size)
     threads = threads_for(cfg.num_threads, cpus, cfg.dp_size)
     cache = Path(cache_root(Envs.read().cache_dir)) / "calibration"
-    return resolve(cfg.cpu_wait_policy, threads, cpus, cache, current)
+    return resolve(cfg.cpu_wait_policy, threads, cpus, cache, current, redo=redo)

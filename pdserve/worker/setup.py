@@ -98,6 +98,22 @@ def fused_ops(cfg: ServerConfig, dtype: torch.dtype, cache_dir: str):
     return None if where is None else load_fused_ops(where)
 
 
+def apply_cpu_plan(cfg: ServerConfig, model, cache_dir: str, mode: str | None = None):
+    """The CPU plan for a freshly loaded model (calibration.plan_for: measured, cached, or
+    forced by the --cpu-* flags; mode overrides --cpu-calibration), applied to its matmuls and
+    norms -> (plan, the attention kernel the engine gets or None)."""
+    dtype, mcfg = model.dtype, model.cfg
+    kernel, panel, fused = (attention_kernel(cfg, dtype, cache_dir), panel_matmul(cfg, dtype, cache_dir),
+                            fused_ops(cfg, dtype, cache_dir))
+    if kernel is not None and not kernel.supports_model(dtype, mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim):
+        kernel = None  # e.g. head_dim 80: the torch path
+    plan = plan_for(model, cfg.device, kernel, panel, fused, forced_choices(cfg), mode or cfg.cpu_calibration,
+                    PlanCache(Path(cache_root(cache_dir)) / "calibration"), torch.get_num_threads())
+    model.use_matmul(plan.matmul, panel)
+    model.use_fused_ops(fused if plan.elementwise is ElementwisePath.FUSED else None)
+    return plan, kernel
+
+
 def build_engine(cfg: ServerConfig, model_dir: str, cache_dir: str = "", dp_rank: int = 0,
                  allow_long_context: bool = False):
     """-> (engine, model_config, dtype); cache_dir: where built kernels are kept (as for models);
@@ -110,14 +126,7 @@ def build_engine(cfg: ServerConfig, model_dir: str, cache_dir: str = "", dp_rank
     dtype = pick_dtype(cfg.dtype, device, mcfg.torch_dtype)
     max_context = context_limit(mcfg, cfg.context_length, allow_long_context)
     model, mcfg = load_model(model_dir, dtype, device, max_positions=max_context, matmul=MatmulPath.TORCH)
-    kernel, panel, fused = (attention_kernel(cfg, dtype, cache_dir), panel_matmul(cfg, dtype, cache_dir),
-                            fused_ops(cfg, dtype, cache_dir))
-    if kernel is not None and not kernel.supports_model(dtype, mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim):
-        kernel = None  # e.g. head_dim 80: the torch path
-    plan = plan_for(model, device, kernel, panel, fused, forced_choices(cfg), cfg.cpu_calibration,
-                    PlanCache(Path(cache_root(cache_dir)) / "calibration"), torch.get_num_threads())
-    model.use_matmul(plan.matmul, panel)
-    model.use_fused_ops(fused if plan.elementwise is ElementwisePath.FUSED else None)
+    plan, kernel = apply_cpu_plan(cfg, model, cache_dir)
     per_page = KVPool.bytes_per_page(mcfg.num_layers, cfg.page_size, mcfg.num_kv_heads,
                                      mcfg.head_dim, dtype)
     pages = num_kv_pages(cfg, per_page, device)
