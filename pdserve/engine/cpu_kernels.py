@@ -25,6 +25,7 @@ from ..core.host import cpu_flags  # noqa: F401  (here so tests can patch it per
 log = logging.getLogger(__name__)
 
 PAGED_ATTENTION_SRC = Path(__file__).with_name("cpu_paged_attention.c")
+PAGED_ATTENTION_AVX2_SRC = Path(__file__).with_name("cpu_attention_avx2.c")
 AVX512_BF16_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma")
 AVX512_BF16_CPU = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"})
 AVX2_FLAGS = ("-mavx2", "-mfma")
@@ -81,6 +82,7 @@ class PagedAttentionKernel:
     # model in bf16 (tests/e2e/test_up.py); TILE_FORCE: no cost model; bits 1-2: rows per block in
     # units of 48, minus one
     tile_flags: int = TILE_TWO_PASS
+    isa: str = "avx512_bf16"  # the build: "avx512_bf16" (tiles long chunks) or "avx2" (never tiles)
 
     def __init__(self, lib: Path):
         fn = ctypes.CDLL(str(lib)).pd_paged_attention_ex
@@ -160,7 +162,17 @@ def build_for_avx512_bf16(what: str, src: Path, cache_dir: str, extra_flags: tup
 
 @functools.cache
 def load_paged_attention(cache_dir: str) -> PagedAttentionKernel | None:
-    """The paged attention kernel, built into cache_dir/kernels if needed; None (reason logged)
-    where it cannot be built here. Once per process."""
-    lib = build_for_avx512_bf16("paged attention", PAGED_ATTENTION_SRC, cache_dir)
-    return None if lib is None else PagedAttentionKernel(lib)
+    """The paged attention kernel, built into cache_dir/kernels if needed: the AVX-512 BF16 one
+    (tiled prefill) where the CPU has it, else the AVX2 one (one query at a time); None (reason
+    logged) where neither can be built here. Once per process."""
+    if AVX512_BF16_CPU <= cpu_flags():
+        lib = build_for_avx512_bf16("paged attention", PAGED_ATTENTION_SRC, cache_dir)
+        isa = "avx512_bf16"
+    else:
+        lib = build_for("paged attention (AVX2)", PAGED_ATTENTION_AVX2_SRC, cache_dir, AVX2_CPU, AVX2_FLAGS)
+        isa = "avx2"
+    if lib is None:
+        return None
+    kernel = PagedAttentionKernel(lib)
+    kernel.isa = isa
+    return kernel
