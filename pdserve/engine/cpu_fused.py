@@ -1,4 +1,4 @@
-"""Fused bfloat16 elementwise ops for CPUs with AVX-512 BF16 (engine/cpu_fused_ops.c), bound
+"""Fused bfloat16 elementwise ops for CPUs with AVX-512 BF16 or AVX2 (engine/cpu_fused_ops.c), bound
 with ctypes: rms_norm, residual add + rms_norm and RoPE, each one C call in
 place of a chain of small torch ops, rounding where and as the torch formulas in model.py do.
 
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from .cpu_kernels import build_for_avx512_bf16
+from . import cpu_kernels
+from .cpu_kernels import AVX2_CPU, AVX2_FLAGS, AVX512_BF16_CPU, build_for, build_for_avx512_bf16
 
 FUSED_OPS_SRC = Path(__file__).with_name("cpu_fused_ops.c")
 
@@ -106,5 +107,8 @@ def load_fused_ops(cache_dir: str) -> FusedOps | None:
     """The fused ops, built into cache_dir/kernels if needed; None (reason logged) where they
     cannot be built here. Once per process."""
     # -ffp-contract=off: no fused multiply-adds where torch rounds after the multiply
-    lib = build_for_avx512_bf16("fused ops", FUSED_OPS_SRC, cache_dir, ("-ffp-contract=off",))
+    if AVX512_BF16_CPU <= cpu_kernels.cpu_flags():  # (looked up there: tests patch it)
+        lib = build_for_avx512_bf16("fused ops", FUSED_OPS_SRC, cache_dir, ("-ffp-contract=off",))
+    else:
+        lib = build_for("fused ops (AVX2)", FUSED_OPS_SRC, cache_dir, AVX2_CPU, AVX2_FLAGS + ("-ffp-contract=off",))
     return None if lib is None else FusedOps(lib)

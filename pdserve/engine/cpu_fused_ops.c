@@ -1,4 +1,5 @@
-/* Fused elementwise ops of the decoder for CPUs with AVX-512 BF16, bfloat16 tensors.
+/* Fused elementwise ops of the decoder for CPUs with AVX-512 BF16 or AVX2, bfloat16 tensors
+ * (built for one or the other: the same math, 16 or 8 lanes, so the same bits).
  *
  * Each op replaces a chain of small torch ops in model.py (rms_norm, residual add + rms_norm,
  * RoPE) with one pass over the rows, and rounds where torch rounds, in the
@@ -44,6 +45,7 @@ static inline bf16 f32_to_bf16(float f) {
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+#ifdef __AVX512F__
 static inline __m512 load16(const bf16 *p) {
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -78,6 +80,33 @@ static inline void store16_mask(bf16 *p, __mmask16 m, __m512 v) {
 static inline __m512 rnd(__m512 v) { return _mm512_castsi512_ps(round_bits(v)); }
 
 static inline __mmask16 tail_mask(int64_t n) { return (__mmask16)((1u << n) - 1); }
+
+#else
+/* AVX2 (no AVX-512): the same helpers, 8 lanes; tails go element by element */
+static inline __m256 load8(const bf16 *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* float32 bits rounded to nearest even at bit 16, low half cleared (NaN -> quiet NaN) */
+static inline __m256i round_bits8(__m256 v) {
+    __m256i b = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), nan);
+}
+
+static inline void store8(bf16 *p, __m256 v) {
+    __m256i r = _mm256_srli_epi32(round_bits8(v), 16);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extractf128_si256(r, 1)));
+}
+
+/* v rounded to bf16 and widened back to float32 */
+static inline __m256 rnd8(__m256 v) { return _mm256_castsi256_ps(round_bits8(v)); }
+
+#endif
 
 /* ---- rms_norm ---------------------------------------------------------------------------- */
 
@@ -163,6 +192,7 @@ static void norm_row(const bf16 *x, const bf16 *w, bf16 *out, int64_t n, float e
     float ss = n >= 8 ? sum_squares(x, n) : sum_squares_short(x, n);
     float mean = ss / (float)n;
     float r = 1.0f / sqrtf(mean + eps);
+#ifdef __AVX512F__
     __m512 rv = _mm512_set1_ps(r);
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -174,6 +204,16 @@ static void norm_row(const bf16 *x, const bf16 *w, bf16 *out, int64_t n, float e
         __m512 y = rnd(_mm512_mul_ps(load16_mask(x + i, m), rv));
         store16_mask(out + i, m, _mm512_mul_ps(load16_mask(w + i, m), y));
     }
+#else
+    __m256 rv = _mm256_set1_ps(r);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 y = rnd8(_mm256_mul_ps(load8(x + i), rv));
+        store8(out + i, _mm256_mul_ps(load8(w + i), y));
+    }
+    for (; i < n; i++)
+        out[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(x[i]) * r));
+#endif
 }
 
 /* out[t] = rms_norm(x[t]) * w; out contiguous [T, N]. */
@@ -197,12 +237,19 @@ int pd_add_rms_norm(bf16 *x, int64_t x_stride, const bf16 *d, int64_t d_stride, 
         bf16 *xr = x + t * x_stride;
         const bf16 *dr = d + t * d_stride;
         int64_t i = 0;
+#ifdef __AVX512F__
         for (; i + 16 <= N; i += 16)
             store16(xr + i, _mm512_add_ps(load16(xr + i), load16(dr + i)));
         if (i < N) {
             __mmask16 m = tail_mask(N - i);
             store16_mask(xr + i, m, _mm512_add_ps(load16_mask(xr + i, m), load16_mask(dr + i, m)));
         }
+#else
+        for (; i + 8 <= N; i += 8)
+            store8(xr + i, _mm256_add_ps(load8(xr + i), load8(dr + i)));
+        for (; i < N; i++)
+            xr[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(dr[i]));
+#endif
         norm_row(xr, w, out + t * N, N, eps);
     }
     return 0;
@@ -224,6 +271,7 @@ int pd_rope(const bf16 *qk, int64_t qk_stride, const bf16 *cos_, int64_t cos_str
         for (int64_t h = 0; h < H; h++) {
             const bf16 *x1 = qk + t * qk_stride + h * D, *x2 = x1 + half;
             bf16 *o1 = out + (t * H + h) * D, *o2 = o1 + half;
+#ifdef __AVX512F__
             for (int64_t i = 0; i < half; i += 16) {
                 __mmask16 m = half - i >= 16 ? (__mmask16)0xffff : tail_mask(half - i);
                 __m512 a = load16_mask(x1 + i, m), b = load16_mask(x2 + i, m);
@@ -233,6 +281,22 @@ int pd_rope(const bf16 *qk, int64_t qk_stride, const bf16 *cos_, int64_t cos_str
                 store16_mask(o1 + i, m, r1);
                 store16_mask(o2 + i, m, r2);
             }
+#else
+            int64_t i = 0;
+            for (; i + 8 <= half; i += 8) {
+                __m256 a = load8(x1 + i), b = load8(x2 + i), cv = load8(c + i), sv = load8(s + i);
+                __m256 r1 = rnd8(_mm256_sub_ps(rnd8(_mm256_mul_ps(a, cv)), rnd8(_mm256_mul_ps(b, sv))));
+                __m256 r2 = _mm256_add_ps(rnd8(_mm256_mul_ps(b, cv)), rnd8(_mm256_mul_ps(a, sv)));
+                store8(o1 + i, r1);
+                store8(o2 + i, r2);
+            }
+            for (; i < half; i++) {
+                float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
+                float cv = bf16_to_f32(c[i]), sv = bf16_to_f32(s[i]);
+                o1[i] = f32_to_bf16(round_bf16(a * cv) - round_bf16(b * sv));
+                o2[i] = f32_to_bf16(round_bf16(b * cv) + round_bf16(a * sv));
+            }
+#endif
         }
     }
     return 0;

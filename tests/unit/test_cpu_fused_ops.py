@@ -20,7 +20,7 @@ EPS = 1e-5
 def ops(kernel_cache_dir):
     o = cpu_fused.load_fused_ops(kernel_cache_dir)
     if o is None:
-        pytest.skip("no AVX-512 BF16 CPU or no gcc here: load_fused_ops gave None, the model "
+        pytest.skip("no AVX-512 BF16 or AVX2 CPU, or no gcc here: load_fused_ops gave None, the model "
                     "keeps the torch formulas")
     return o
 

@@ -25,7 +25,7 @@ from pdserve.engine.kv_pool import KVPool  # noqa: E402
 def kernel(kernel_cache_dir):
     k = cpu_kernels.load_paged_attention(kernel_cache_dir)
     if k is None:
-        pytest.skip("no AVX-512 BF16 CPU or no gcc here: the engine uses the torch path")
+        pytest.skip("no AVX-512 BF16 or AVX2 CPU, or no gcc here: the engine uses the torch path")
     return k
 
 
