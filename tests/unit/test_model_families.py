@@ -16,6 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from bf16_rounding import LOW, RandomBf16Rounding, round_either_way  # noqa: E402
 from tiny_families import FAMILIES, family_config, randomize  # noqa: E402
 
 from pdserve.core.config import ServerConfig  # noqa: E402
@@ -125,6 +126,33 @@ def test_bfloat16_greedy_tokens_are_hf_greedy(family, device):
     assert len(gaps) == NEW * len(PROMPTS)
     assert max(gaps) <= BF16_TIE, (name, gaps)
     assert sum(g == 0 for g in gaps) >= 0.9 * len(gaps), (name, gaps)
+
+
+def test_random_bf16_rounding_takes_a_bf16_neighbour_of_each_op_result():
+    """bf16_rounding: each float64 op result becomes one of the two bf16 numbers around it
+    (bf16's round-to-nearest is one of them), each about half the time; bf16 numbers and
+    float32 results pass unchanged, and in-place ops are rounded too."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(4096, dtype=torch.float64, generator=g) * 10.0 ** torch.randint(-20, 20, (4096,), generator=g)
+    b = torch.randn(4096, dtype=torch.float64, generator=g)
+    exact = a * b
+    down = round_either_way(exact, torch.zeros(exact.shape, dtype=torch.int64))
+    up = round_either_way(exact, torch.full(exact.shape, LOW, dtype=torch.int64))
+    nearest = exact.to(torch.bfloat16).double()
+    for r in (down, up):
+        assert torch.equal(r.to(torch.bfloat16).double(), r)  # bf16 numbers
+    assert (down.abs() < exact.abs()).all() and (up.abs() > exact.abs()).all()
+    assert ((nearest == down) | (nearest == up)).all()
+    with RandomBf16Rounding(seed=1):
+        got = a * b
+        kept = nearest * 1.0
+        f32 = a.float() * b.float()
+        in_place = a.clone()
+        in_place.mul_(b)
+    for r in (got, in_place):
+        assert ((r == down) | (r == up)).all()
+    assert 0.45 < float((got == up).double().mean()) < 0.55
+    assert torch.equal(kept, nearest) and torch.equal(f32, a.float() * b.float())
 
 
 def test_config_reads_family_fields(family):
