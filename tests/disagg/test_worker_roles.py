@@ -23,6 +23,7 @@ from pdserve.core.config import Role, ServerConfig
 from pdserve.core.envs import Envs
 from pdserve.core.messages import GenerateReq, PDParams, TokenOutput
 from pdserve.core.sampling import SamplingParams
+from pdserve.disagg import kv_receiver
 from pdserve.disagg.bootstrap_server import ThreadedBootstrap
 from pdserve.disagg.bootstrap_table import BootstrapTable
 from pdserve.engine import sequence as engine_sequence
@@ -475,14 +476,49 @@ def test_decode_pool_full_waits_then_succeeds_when_pages_free(make_pd):
     assert_kv_moved(pd)
 
 
-def test_decode_pool_full_until_the_waiting_timeout(make_pd):
-    """The decode gives up for want of pages; it tells the prefill (KvAbort), which frees its
-    pages at once instead of at its bootstrap deadline (far away here)."""
+class StillClock:
+    """`time` as kv_receiver reads it, with a monotonic clock that stands still until the test
+    moves it (`advance`): the decode's handoff deadlines then count the test's seconds, not
+    however long a busy machine takes to get there. Wall-clock stamps (time.time) stay real."""
+
+    def __init__(self):
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    @staticmethod
+    def time() -> float:
+        return time.time()
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_decode_pool_full_until_the_waiting_timeout(make_pd, monkeypatch):
+    """The decode gives up for want of pages once PDSERVE_WAITING_TIMEOUT has passed; it tells
+    the prefill (KvAbort), which frees its pages at once instead of at its bootstrap deadline
+    (far away here). The deadline counts from the accept and covers the rank resolution too
+    (PDSERVE_WAITING_TIMEOUT: a decode room in any handoff state), so the decode's clock stands
+    still until the room waits for pages: on real time, a busy machine's resolution could use
+    the 0.3 s up first and fail the room before it has a rank, with no KvAbort (its /fail_room
+    only reaches this harness's bootstrap table; a server's front would tell the prefill)."""
+    clock = StillClock()
+    monkeypatch.setattr(kv_receiver, "time", clock)
     pd = make_pd(decode_pages=8, envs=dataclasses.replace(ENVS, waiting_timeout=0.3, bootstrap_timeout=60.0))
     pd.decode.engine.reserve("blocker", 8 * PAGE_SIZE)
     pd.prefill.generate(pd.req("p-1"))
     pd.decode.generate(pd.req("d-1"))
+    pd.drive(lambda: pd.decode.role.stats_extra()["queued_handoffs"] == 1 and "p-1" in pd.prefill.engine.held,
+             "the handoff queued for pages and the prefill holding its KV")
+    clock.advance(0.29)
+    turns = iter(range(10))
+    pd.drive(lambda: next(turns) == 9, "ten turns 0.29 s after the accept")
+    assert pd.decode.final("d-1") is None and pd.prefill.final("p-1") is None
+    assert pd.decode.role.stats_extra()["queued_handoffs"] == 1
+    clock.advance(0.02)
     pd.drive(lambda: pd.prefill.all_finished() and pd.decode.all_finished(), "both legs failed")
+    assert "p-1" not in pd.prefill.engine.held
     pd.decode.engine.release("blocker")
     pd.finish()
     assert_failed(pd.decode.final("d-1"), f"room {ROOM}", "PDSERVE_WAITING_TIMEOUT")
