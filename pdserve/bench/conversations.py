@@ -1,8 +1,9 @@
 """The multi-turn workload: conversations whose every turn resends the whole history.
 
 A turn's prompt holds the earlier user messages and the answers the server actually streamed
-back, so a prefix cache can reuse the previous turn. Turns of one conversation go out one after
-another (the next once the last has finished); conversations run side by side.
+back, so a prefix cache can reuse the previous turn; with a system prompt every conversation
+starts with the same one, so first turns share it too. Turns of one conversation go out one
+after another (the next once the last has finished); conversations run side by side.
 """
 
 from __future__ import annotations
@@ -21,35 +22,46 @@ from .metrics import RequestRecord
 
 @dataclass(frozen=True)
 class Conversation:
-    """One chat: `questions[t]` is the user message of turn t; each reply asks `output_len` tokens."""
+    """One chat: `questions[t]` is the user message of turn t; each reply asks `output_len` tokens;
+    `system` (if any) opens every turn's prompt."""
 
     index: int
     questions: tuple[str, ...]
     output_len: int
+    system: str = ""
 
 
 def make_conversations(num: int, turns: int, first_len: int, question_len: int, output_len: int,
-                       seed: int, counter: TokenCounter) -> list[Conversation]:
+                       seed: int, counter: TokenCounter, system_len: int = 0) -> list[Conversation]:
     """Synthetic chats: first messages that differ from their first word on (no two
-    conversations share a prefix), then shorter follow-up questions."""
+    conversations share a prefix beyond the system prompt), then shorter follow-up questions;
+    `system_len` > 0: a system prompt of that many tokens, the same in every conversation."""
     if min(num, turns, first_len, question_len, output_len) < 1:
         raise ValueError("conversations, turns, message lengths and output_len must be >= 1")
+    if system_len < 0:
+        raise ValueError("the system prompt's length must be >= 0")
     rng = random.Random(seed)
     firsts = distinct_texts(rng, num, first_len, counter)
+    # its own generator, so the messages are those of the same seed without a system prompt
+    system = words_text(random.Random(f"system-{seed}"), system_len, counter) if system_len else ""
     return [Conversation(i, (first, *(words_text(rng, question_len, counter) for _ in range(turns - 1))),
-                         output_len) for i, first in enumerate(firsts)]
+                         output_len, system) for i, first in enumerate(firsts)]
+
+
+_FRAMES = {"system": "System: {}\n", "user": "User: {}\nAssistant:", "assistant": "{}\n"}
 
 
 def frame(messages: tuple[Message, ...]) -> str:
-    """Completion-style text "User: q\\nAssistant:a\\nUser: q2\\nAssistant:". The answer follows
-    "Assistant:" verbatim, so a turn's prompt plus its answer starts the next turn's prompt."""
-    return "".join(f"User: {m.content}\nAssistant:" if m.role == "user" else f"{m.content}\n"
-                   for m in messages)
+    """Completion-style text "[System: s\\n]User: q\\nAssistant:a\\nUser: q2\\nAssistant:". The
+    answer follows "Assistant:" verbatim, so a turn's prompt plus its answer starts the next
+    turn's prompt."""
+    return "".join(_FRAMES[m.role].format(m.content) for m in messages)
 
 
 def turn_request(conv: Conversation, answers: list[str], counter: TokenCounter) -> BenchRequest:
-    """The request of turn len(answers): the history with those answers, then the next question."""
-    msgs: list[Message] = []
+    """The request of turn len(answers): the system prompt (if any), the history with those
+    answers, then the next question."""
+    msgs: list[Message] = [Message("system", conv.system)] if conv.system else []
     for question, answer in zip(conv.questions, answers):
         msgs += [Message("user", question), Message("assistant", answer)]
     msgs.append(Message("user", conv.questions[len(answers)]))

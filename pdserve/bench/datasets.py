@@ -32,7 +32,7 @@ travel answer remember notice gather share teach learn allow offer improve produ
 
 @dataclass(frozen=True)
 class Message:
-    """One chat message (`role` is "user" or "assistant")."""
+    """One chat message (`role` is "system", "user" or "assistant")."""
 
     role: str
     content: str

@@ -82,7 +82,7 @@ def load_requests(cfg: BenchConfig, counter: TokenCounter) -> list[BenchRequest]
 def load_conversations(cfg: BenchConfig, counter: TokenCounter) -> list[Conversation]:
     return make_conversations(cfg.multi_turn_conversations, cfg.multi_turn_turns,
                               cfg.multi_turn_first_len, cfg.multi_turn_question_len,
-                              cfg.random_output_len, cfg.seed, counter)
+                              cfg.random_output_len, cfg.seed, counter, cfg.multi_turn_system_len)
 
 
 def warmup_request(cfg: BenchConfig, first: BenchRequest, counter: TokenCounter) -> BenchRequest:

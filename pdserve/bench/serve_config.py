@@ -52,6 +52,8 @@ class BenchConfig:
     multi_turn_turns: int = _opt("multi-turn: turns (requests) per conversation", default=4)
     multi_turn_first_len: int = _opt("multi-turn: tokens of the first user message", default=512)
     multi_turn_question_len: int = _opt("multi-turn: tokens of each later user message", default=32)
+    multi_turn_system_len: int = _opt("multi-turn: tokens of a system prompt every conversation "
+                                      "starts with (0 = none)", default=0)
     tokenizer: str = _opt("local tokenizer.json or its dir for token counts (default: words)",
                           default="")
     seed: int = _opt("seed for prompts and arrivals", default=1)
@@ -101,6 +103,8 @@ class BenchConfig:
         for name in sizes:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.multi_turn_system_len < 0:
+            raise ValueError("--multi-turn-system-len must be >= 0")
         planned = self.planned_requests()
         if self.dataset in CACHE_DATASETS and self.num_prompts not in (DEFAULT_NUM_PROMPTS, planned):
             raise ValueError(f"--dataset {self.dataset} sends {planned} requests (set by its own "

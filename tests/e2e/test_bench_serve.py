@@ -574,6 +574,30 @@ def test_missing_cached_tokens_are_unknown_not_zero(stub_url):
     assert s.cache_hit_rate is None and "n/a" in format_summary(s)
 
 
+def test_multi_turn_system_prompt_is_shared_and_first():
+    plain = make_conversations(3, 3, 12, 5, 6, seed=4, counter=TokenCounter())
+    convs = make_conversations(3, 3, 12, 5, 6, seed=4, counter=TokenCounter(), system_len=20)
+    assert [c.questions for c in convs] == [c.questions for c in plain]  # same messages as without
+    assert all(c.system == convs[0].system for c in convs) and len(convs[0].system.split()) == 20
+    assert plain[0].system == ""
+    firsts = [turn_request(c, [], TokenCounter()) for c in convs]
+    assert {f.prompt.split("\nUser: ")[0] for f in firsts} == {f"System: {convs[0].system}"}
+    c = convs[1]
+    second = turn_request(c, [" ans"], TokenCounter())
+    assert second.prompt == (f"System: {c.system}\nUser: {c.questions[0]}\nAssistant: ans\n"
+                             f"User: {c.questions[1]}\nAssistant:")
+    assert second.prompt.startswith(firsts[1].prompt + " ans\n")
+    assert [m.role for m in second.messages] == ["system", "user", "assistant", "user"]
+    assert OpenAIChatBackend().payload(second, BackendOptions(model="m"))["messages"][0] == {
+        "role": "system", "content": c.system}
+    cfg = BenchConfig(dataset="multi-turn", multi_turn_conversations=3, multi_turn_turns=3,
+                      multi_turn_first_len=12, multi_turn_question_len=5, random_output_len=6,
+                      multi_turn_system_len=20, seed=4)
+    assert load_conversations(cfg, TokenCounter()) == convs
+    with pytest.raises(ValueError, match="multi-turn-system-len"):
+        BenchConfig(dataset="multi-turn", multi_turn_system_len=-1)
+
+
 def _conv_turn(body: dict, convs) -> tuple[int, int]:
     """Which (conversation, turn) a multi-turn request body is, from its first user message."""
     if "messages" in body:
