@@ -48,14 +48,21 @@ class WorkerLoop:
                 outs.extend(self.handle(msg))
             outs.extend(self.role.poll())
             if self.engine.has_work():
+                # what is ready now (a decode's first tokens from handoffs that just landed,
+                # errors) goes out before the step, not one step later
+                self._send(outs)
+                outs = []
                 started = time.time()
                 self.clock.before_step(self.engine.seqs, started)
                 stepped = self.engine.step()
                 self.clock.after_step(self.engine.seqs, started)
                 outs.extend(self.role.on_step(stepped))
-            if outs:
-                self.clock.stamp(outs)
-                self.channel.send(OutputBatch(self.dp_rank, outs))
+            self._send(outs)
+
+    def _send(self, outs: list[TokenOutput]) -> None:
+        if outs:
+            self.clock.stamp(outs)
+            self.channel.send(OutputBatch(self.dp_rank, outs))
 
     def handle(self, msg) -> list[TokenOutput]:
         if isinstance(msg, GenerateReq):
