@@ -25,8 +25,10 @@ import urllib.request
 from .core.child_process import spawn_child
 from .core.cpu_binding import split_among_servers
 from .core.netaddr import host_port, local_connect_host
+from .router.config import POLICY_NAMES
 
 STOP_GRACE_S = 20.0  # SIGTERM, then SIGKILL to the whole group
+UP_BALANCE_ABS_THRESHOLD = 1  # cache_aware balances DP ranks whose loads differ by more than this
 
 
 def _url(bind_host: str, port: int) -> str:
@@ -49,7 +51,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--disable-prefix-cache", "--disable-radix-cache", action="store_true",
                    help="no KV reuse across requests on the prefill and decode servers")
-    p.add_argument("--policy", default="round_robin")
+    p.add_argument("--policy", default="cache_aware", choices=POLICY_NAMES,
+                   help="the router's server (and, with --dp-aware, DP rank) selection for both roles "
+                        "(sglang-router's flag and default)")
+    p.add_argument("--prefill-policy", default=None, choices=POLICY_NAMES, help="prefill's own policy")
+    p.add_argument("--decode-policy", default=None, choices=POLICY_NAMES, help="decode's own policy")
+    p.add_argument("--dp-aware", action=argparse.BooleanOptionalAction, default=True,
+                   help="the router picks each server's DP rank (sglang-router's --dp-aware): with "
+                        "cache_aware a prompt goes to the rank that holds its prefix (default on; "
+                        "--no-dp-aware leaves the rank to each server)")
+    p.add_argument("--cache-threshold", type=float, default=None,
+                   help="cache_aware: the router's flag (default: the router's, 0.3)")
+    p.add_argument("--balance-abs-threshold", type=int, default=UP_BALANCE_ABS_THRESHOLD,
+                   help="cache_aware: the router's flag; its default (64) would let every chat that "
+                        "shares a system prompt pile onto the first DP rank that saw it while the other "
+                        "ranks idle, so here a rank 2 requests busier than another is passed over "
+                        "(default %(default)s)")
+    p.add_argument("--balance-rel-threshold", type=float, default=None,
+                   help="cache_aware: the router's flag (default: the router's, 1.5)")
+    p.add_argument("--disagg-local-prefill-max-tokens", type=int, default=0,
+                   help="the decode prefills a request itself when at most this many of its prompt tokens "
+                        "are missing from its prefix cache (pdserve serve's flag; 0 = never)")
+    p.add_argument("--prefill-cpu-bind", default="",
+                   help="the prefill server's --cpu-bind (per-rank CPU lists like 0|1; default: split below)")
+    p.add_argument("--decode-cpu-bind", default="", help="the decode server's --cpu-bind")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--log-dir", default=None, help="where the children's logs go (default: a new temp dir)")
     p.add_argument("--ask", default=None, help="send this chat message, print the answer, then stop")
@@ -132,6 +157,8 @@ class Cluster:
         self.model_dir = model_dir
         self.log_dir = log_dir
         self.procs: list[tuple[str, subprocess.Popen, str]] = []  # (name, process, log path)
+        p_cpus, d_cpus = split_among_servers([a.prefill_dp, a.decode_dp])  # no two oversubscribe a core
+        self.prefill_cpus, self.decode_cpus = a.prefill_cpu_bind or p_cpus, a.decode_cpu_bind or d_cpus
 
     def _spawn(self, name: str, args: list[str]) -> None:
         cmd = [sys.executable, "-m", "pdserve", *args]
@@ -147,18 +174,30 @@ class Cluster:
                   "--max-total-tokens", str(a.max_total_tokens), "--dtype", a.dtype]
         if a.disable_prefix_cache:
             common.append("--disable-prefix-cache")
-        p_cpus, d_cpus = split_among_servers([a.prefill_dp, a.decode_dp])  # no two oversubscribe a core
+        local = ["--disagg-local-prefill-max-tokens", str(a.disagg_local_prefill_max_tokens)] \
+            if a.disagg_local_prefill_max_tokens else []
         self._spawn("prefill", ["serve", "--role", "prefill", "--port", str(a.prefill_port),
                                 "--dp-size", str(a.prefill_dp), "--bootstrap-port", str(a.bootstrap_port),
-                                "--cpu-bind", p_cpus, *common])
+                                "--cpu-bind", self.prefill_cpus, *common])
         self._spawn("decode", ["serve", "--role", "decode", "--port", str(a.decode_port),
-                               "--dp-size", str(a.decode_dp), "--cpu-bind", d_cpus, *common])
+                               "--dp-size", str(a.decode_dp), "--cpu-bind", self.decode_cpus, *local, *common])
         self._wait(_url(a.host, a.prefill_port) + "/health", "prefill")
         self._wait(_url(a.host, a.decode_port) + "/health", "decode")
         self._spawn("router", ["router", "--pd-disaggregation", "--host", a.host, "--port", str(a.port),
                                "--prefill", _url(a.host, a.prefill_port), str(a.bootstrap_port),
-                               "--decode", _url(a.host, a.decode_port), "--policy", a.policy])
+                               "--decode", _url(a.host, a.decode_port), *self.router_policy_args()])
         self._wait(_url(a.host, a.port) + "/health", "router")
+
+    def router_policy_args(self) -> list[str]:
+        a = self.a
+        args = ["--policy", a.policy]
+        for flag, value in (("--prefill-policy", a.prefill_policy), ("--decode-policy", a.decode_policy),
+                            ("--cache-threshold", a.cache_threshold),
+                            ("--balance-abs-threshold", a.balance_abs_threshold),
+                            ("--balance-rel-threshold", a.balance_rel_threshold)):
+            if value is not None:
+                args += [flag, str(value)]
+        return args + (["--dp-aware"] if a.dp_aware else [])
 
     def _wait(self, url: str, name: str) -> None:
         deadline = time.monotonic() + self.a.start_timeout
@@ -213,8 +252,8 @@ def main(argv: list[str] | None = None) -> None:
     cluster = Cluster(a, model_dir, log_dir, signals)
     signals.install()
     url = _url(a.host, a.port)
-    print(f"pdserve up: starting router + prefill (dp {a.prefill_dp}) + decode (dp {a.decode_dp}); "
-          f"logs in {log_dir}", file=sys.stderr, flush=True)
+    print(f"pdserve up: starting router + prefill (dp {a.prefill_dp}, cores {cluster.prefill_cpus}) + decode "
+          f"(dp {a.decode_dp}, cores {cluster.decode_cpus}); logs in {log_dir}", file=sys.stderr, flush=True)
     try:
         cluster.start()
         example = {"messages": [{"role": "user", "content": a.ask or "What is the capital of France?"}],

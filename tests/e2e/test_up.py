@@ -5,6 +5,7 @@ in its environment, so the checks (and the finalizer, by pid) find all of them, 
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import os
 import signal
@@ -153,4 +154,56 @@ def test_ask_with_the_default_model(start_up):
     out, err = up.output()
     assert rc == 0, (out, err)
     assert "Paris" in out, out
+    up.assert_nothing_left()
+
+
+
+def _turn(url: str, prompt: str, max_new: int = 8) -> dict:
+    r = httpx.post(url + "/generate", timeout=60, json={
+        "text": prompt, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _cached_pages(url: str) -> list[int]:
+    return [w["cached_pages"] for w in httpx.get(url + "/server_info", timeout=10).json()["workers"]]
+
+
+def test_each_chat_goes_to_the_ranks_that_hold_its_prefix(tiny, start_up):
+    """By default the router is cache_aware and DP-aware: a chat's later turns go to the prefill
+    rank that computed its earlier ones (cached_tokens: all but the tokens that prefill never
+    saw) and to the decode rank that holds its KV (kv_reused_pages); chats started side by side
+    spread over the decode's ranks (--balance-abs-threshold)."""
+    up = start_up(tiny, "--prefill-dp", "2", "--decode-dp", "2", "--dtype", "float32",
+                  "--max-total-tokens", "4096", "--start-timeout", "120")
+    wait_for(lambda: "pdserve is up" in up.output()[0] or up.proc.poll() is not None, 180, "pdserve is up")
+    assert up.proc.poll() is None, up.output()
+    p_url, d_url = (f"http://127.0.0.1:{port}" for port in up.ports[1:3])
+    system = "System: " + " ".join(f"rule{i}" for i in range(40)) + "\n"
+    page = 16  # pdserve serve's default
+    chats = [system + f"User: chat {c} " + "x " * (20 + c) + "\nAssistant:" for c in range(3)]
+    ranks: dict[int, set] = {c: set() for c in range(3)}
+    last: dict[int, int] = {}
+    for turn in range(3):
+        for c in range(3):
+            out = _turn(up.url, chats[c])
+            meta = out["meta_info"]
+            ranks[c].add((meta["prefill_dp_rank"], meta["decode_dp_rank"]))
+            if turn:  # the prefill held the last prompt; the decode that prompt and its answer
+                assert meta["cached_tokens"] >= last[c] // page * page - page, (turn, c, meta)
+                assert meta["kv_reused_pages"] >= last[c] // page - 1, (turn, c, meta)
+            last[c] = meta["prompt_tokens"]
+            chats[c] += out["text"] + f"\nUser: turn {turn} of chat {c}\nAssistant:"
+    assert all(len(r) == 1 for r in ranks.values()), ranks  # every chat kept its ranks
+    p_pages, d_pages = _cached_pages(p_url), _cached_pages(d_url)
+    for (p_rank, d_rank), in ranks.values():
+        assert p_pages[p_rank] > 0 and d_pages[d_rank] > 0, (ranks, p_pages, d_pages)
+    # chats started side by side: their decode legs stay open while they generate, so the
+    # router sees one rank busier and sends the next chat to the other
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda c: _turn(up.url, system + f"User: new chat {c} " + "y " * 30 + "\nAssistant:",
+                                             96), range(4)))
+    assert {o["meta_info"]["decode_dp_rank"] for o in outs} == {0, 1}, [o["meta_info"] for o in outs]
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.wait(60) == 0, up.output()
     up.assert_nothing_left()
