@@ -59,6 +59,7 @@ BENCHES = {
     "chaos": "pdserve.bench.chaos",
     "structured": "pdserve.bench.structured_bench",
     "calibrate": "pdserve.bench.calibrate",
+    "up": "pdserve.bench.up_bench",
 }
 
 
