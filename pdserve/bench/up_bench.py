@@ -8,7 +8,8 @@ and `--max-concurrency` chats are under way at once. Each system in turn (`--sys
 `up,colocated`) is started alone on this process's cores (`pdserve up` divides them between
 its prefill and decode; the colocated server's DP workers split them; run the bench under
 `taskset` to give both fewer), sent one unrelated warm-up prompt, its prefix caches flushed,
-sent the workload, and stopped with every process it started before the next one starts.
+sent the workload, and stopped with every process it started before the next one starts;
+`--repeats N` runs them N times in A B B A order and reports each over all its runs.
 
 Prints per system: mean and p50 TTFT (also of first turns and of later turns), ITL p50 and p99,
 output tok/s, prompt tokens reused (the `cached_tokens` the replies report: the prefill's cache
@@ -38,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..core.child_process import spawn_child
 from ..core.cpu_binding import available_cpus
-from .metrics import Summary, stats_ms
+from .metrics import RequestRecord, Summary, stats_ms, summarize
 from .serve import BenchConfig, BenchError, run
 from .serve import _finite as finite
 
@@ -231,8 +232,9 @@ class SystemResult:
     summary: Summary
     ttft_first_turn_ms: float
     ttft_later_turns_ms: float
-    counters: dict[str, float] = field(default_factory=dict)  # during the timed run
-    rank_pages: dict[str, list[int]] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)  # during the timed runs
+    rank_pages: dict[str, list[int]] = field(default_factory=dict)  # after the last run
+    loadavg: list[tuple[float, float]] = field(default_factory=list)  # per run: before, after
 
     @property
     def reused_pct(self) -> float:
@@ -256,24 +258,70 @@ def warmup(a: argparse.Namespace, url: str, model_dir: str) -> BenchConfig:
                        warmup_requests=0, disable_tqdm=True, request_timeout=a.request_timeout)
 
 
-def measure(system: System, a: argparse.Namespace) -> SystemResult:
+@dataclass
+class Run:
+    """One timed run of one system."""
+
+    records: list[RequestRecord]
+    duration_s: float
+    max_inflight: int
+    counters: dict[str, float]
+    rank_pages: dict[str, list[int]]
+    loadavg: tuple[float, float]  # this machine's 1-minute load average before and after
+
+
+def _loadavg() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return math.nan
+
+
+def measure(system: System, a: argparse.Namespace) -> Run:
     """Start the system, warm it up, run the workload, stop it (always)."""
     try:
         system.start()
         warm = asyncio.run(run(warmup(a, system.url, system.model_dir)))
         if warm.summary.failed:
             raise BenchError(f"{system.name}: the warm-up request failed: {warm.summary.errors}")
-        before = system.counters()
+        before, load0 = system.counters(), _loadavg()
         res = asyncio.run(run(workload(a, system.url, system.model_dir)))
-        after = system.counters()
+        after, load1 = system.counters(), _loadavg()
         pages = system.rank_pages()
     finally:
         system.stop()
-    ok = [r for r in res.records if r.success]
-    return SystemResult(
-        system.name, system.described, res.summary,
-        stats_ms([r.ttft for r in ok if r.turn == 0]).mean, stats_ms([r.ttft for r in ok if r.turn]).mean,
-        {k: after[k] - before.get(k, 0.0) for k in after}, pages)
+    return Run(res.records, res.summary.duration_s, res.summary.max_concurrency_seen,
+               {k: after[k] - before.get(k, 0.0) for k in after}, pages, (load0, load1))
+
+
+def combine(name: str, command: str, runs: list[Run]) -> SystemResult:
+    """One result over every run of a system: their requests together, their durations summed."""
+    records = [r for run_ in runs for r in run_.records]
+    summary = summarize(records, sum(r.duration_s for r in runs), {}, max(r.max_inflight for r in runs))
+    ok = [r for r in records if r.success]
+    counters: dict[str, float] = {}
+    for run_ in runs:
+        for k, v in run_.counters.items():
+            counters[k] = counters.get(k, 0.0) + v
+    return SystemResult(name, command, summary, stats_ms([r.ttft for r in ok if r.turn == 0]).mean,
+                        stats_ms([r.ttft for r in ok if r.turn]).mean, counters, runs[-1].rank_pages,
+                        [run_.loadavg for run_ in runs])
+
+
+def run_systems(names: list[str], repeats: int, make, measure_one) -> list[SystemResult]:
+    """Each system `repeats` times, the order reversed every time (A B B A: a change in the
+    machine's other load hits both alike); one result per system over all its runs."""
+    runs: dict[str, list[Run]] = {n: [] for n in names}
+    commands: dict[str, str] = {}
+    for rep in range(repeats):
+        for name in (names if rep % 2 == 0 else names[::-1]):
+            system = make(name)
+            runs[name].append(measure_one(system))
+            commands[name] = system.described
+            load = runs[name][-1].loadavg
+            print(f"  {name} (run {rep + 1}, load average {load[0]:.1f} -> {load[1]:.1f}): {system.described}",
+                  flush=True)
+    return [combine(n, commands[n], runs[n]) for n in names]
 
 
 def _ratio(num: float, den: float) -> float:
@@ -352,6 +400,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-rate", type=float, default=math.inf, help="chat starts per second (inf: at once)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--systems", default="up,colocated", help="which systems, in this order (up, colocated)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every system this many times, the order reversed each time (A B B A ...: a "
+                        "change in the machine's other load hits both alike); each system's figures are "
+                        "over all its runs' requests")
     p.add_argument("--up-args", default="", help="more `pdserve up` flags, as one string")
     p.add_argument("--colocated-args", default="", help="more `pdserve serve --role colocated` flags, as one string")
     p.add_argument("--start-timeout", type=float, default=600.0)
@@ -365,8 +417,12 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     names = [n.strip() for n in a.systems.split(",") if n.strip()]
     unknown = [n for n in names if n not in SYSTEMS]
-    if not names or unknown:
-        print(f"pdserve bench up: error: --systems takes {', '.join(SYSTEMS)}, got {a.systems!r}", file=sys.stderr)
+    if not names or unknown or len(set(names)) != len(names):
+        print(f"pdserve bench up: error: --systems takes {', '.join(SYSTEMS)} (each once), got {a.systems!r}",
+              file=sys.stderr)
+        return 2
+    if a.repeats < 1:
+        print("pdserve bench up: error: --repeats must be >= 1", file=sys.stderr)
         return 2
     from ..core.envs import Envs
     from ..model_files.resolve import ModelNotFound, resolve_model
@@ -383,12 +439,9 @@ def main(argv: list[str] | None = None) -> int:
           f"first message {a.first_len}, questions {a.question_len}, answers {a.output_len}), "
           f"{a.max_concurrency} in flight; model {model_dir}, dtype {a.dtype}; cores {available_cpus()}; "
           f"logs in {log_dir}", flush=True)
-    results: list[SystemResult] = []
     try:
-        for name in names:
-            system = SYSTEMS[name](a, model_dir, log_dir)
-            results.append(measure(system, a))
-            print(f"  {name}: {results[-1].command}", flush=True)
+        results = run_systems(names, a.repeats, lambda name: SYSTEMS[name](a, model_dir, log_dir),
+                              lambda system: measure(system, a))
     except (BenchError, OSError) as e:
         print(f"pdserve bench up: error: {e}", file=sys.stderr)
         return 2

@@ -18,7 +18,8 @@ from cluster import ROOT  # noqa: E402
 from test_up import MARK, marked_pids, wait_for  # noqa: E402
 from tiny_model import make_tiny_model  # noqa: E402
 
-from pdserve.bench.up_bench import (SystemResult, comparison, format_results, prometheus_counters)
+from pdserve.bench.up_bench import (Run, SystemResult, combine, comparison, format_results,
+                                    prometheus_counters, run_systems)
 from pdserve.bench.metrics import RequestRecord, summarize
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -49,8 +50,9 @@ def test_bench_up_runs_both_systems_and_leaves_nothing(tmp_path, marked):
                           env={**os.environ, "PYTHONPATH": ROOT, MARK: marked})
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     text = proc.stdout
-    assert "up: pdserve up --prefill-dp 1 --decode-dp 2" in text and "decode (dp 2" in text, text
-    assert "colocated: pdserve serve --role colocated --num-threads 1" in text, text
+    assert "up (run 1, load average" in text and "colocated (run 1," in text, text
+    assert "pdserve up --prefill-dp 1 --decode-dp 2" in text and "decode (dp 2" in text, text
+    assert "pdserve serve --role colocated --num-threads 1" in text, text
     for row in ("up ", "colocated ", "up/colocated", "targets: mean TTFT <= 1.2x"):
         assert any(line.startswith(row) for line in text.splitlines()), (row, text)
     data = json.loads(out.read_text())
@@ -60,6 +62,7 @@ def test_bench_up_runs_both_systems_and_leaves_nothing(tmp_path, marked):
         assert s["total_cached_tokens"] > 0  # the system prompt and the history were reused
         assert 0 < data["systems"][name]["reused_pct"] < 100
         assert 6 <= s["latency_ms"]["itl"]["count"] <= 6 * 3  # 4 tokens: at most 3 gaps per turn
+        assert len(data["systems"][name]["loadavg"]) == 1
     up = data["systems"]["up"]
     assert up["counters"]["local"] + up["counters"]["remote"] == 6  # the run's turns, no warm-up
     assert len(up["rank_pages"]["prefill"]) == 1 and len(up["rank_pages"]["decode"]) == 2
@@ -69,7 +72,8 @@ def test_bench_up_runs_both_systems_and_leaves_nothing(tmp_path, marked):
 
 
 def test_bench_up_refuses_bad_flags_before_starting_anything(marked):
-    for flags, why in ((["--systems", "up,vllm"], "--systems"), (["--conversations", "0"], ">= 1")):
+    for flags, why in ((["--systems", "up,vllm"], "--systems"), (["--systems", "up,up"], "each once"),
+                       (["--repeats", "0"], "--repeats"), (["--conversations", "0"], ">= 1")):
         proc = subprocess.run([sys.executable, "-m", "pdserve", "bench", "up", "--model", "no-such-model", *flags],
                               cwd=ROOT, capture_output=True, text=True, timeout=60,
                               env={**os.environ, "PYTHONPATH": ROOT, MARK: marked})
@@ -85,6 +89,40 @@ def _result(name: str, ttfts: list[float], gap: float, cached: int) -> SystemRes
         recs.append(r)
     s = summarize(recs, 10.0, {})
     return SystemResult(name, name, s, 0.0, 0.0)
+
+
+def test_repeats_run_the_systems_in_a_b_b_a_order(capsys):
+    order = []
+
+    class Fake:
+        def __init__(self, name):
+            self.name, self.described = name, f"start {name}"
+
+    def measure_one(system):
+        order.append(system.name)
+        rec = RequestRecord(index=0, prompt_len=10, output_len_requested=2, success=True, output_len=2,
+                            ttft=0.1, e2e=0.2, itl=[0.1], turn=0)
+        return Run([rec], 1.0, 1, {}, {}, (0.5, 0.5))
+
+    results = run_systems(["up", "colocated"], 3, Fake, measure_one)
+    assert order == ["up", "colocated", "colocated", "up", "up", "colocated"]
+    assert [(r.name, r.summary.completed, len(r.loadavg)) for r in results] == [("up", 3, 3), ("colocated", 3, 3)]
+    assert "colocated (run 2, load average 0.5 -> 0.5): start colocated" in capsys.readouterr().out
+
+
+def test_runs_of_a_system_combine_into_one_result():
+    def rec(i, turn, ttft):
+        return RequestRecord(index=i, prompt_len=10, output_len_requested=2, success=True, output_len=2,
+                             cached_tokens=5, ttft=ttft, e2e=ttft + 0.1, itl=[0.1], turn=turn)
+    runs = [Run([rec(0, 0, 0.4), rec(1, 1, 0.2)], 2.0, 2, {"local": 1.0}, {"decode": [1, 2]}, (1.0, 2.0)),
+            Run([rec(0, 0, 0.6), rec(1, 1, 0.2)], 2.0, 1, {"local": 1.0, "remote": 1.0}, {"decode": [3, 4]},
+                (2.0, 3.0))]
+    r = combine("up", "cmd", runs)
+    assert (r.summary.completed, r.summary.duration_s, r.summary.max_concurrency_seen) == (4, 4.0, 2)
+    assert r.summary.output_throughput == pytest.approx(8 / 4.0) and r.reused_pct == pytest.approx(50.0)
+    assert (r.ttft_first_turn_ms, r.ttft_later_turns_ms) == (pytest.approx(500.0), pytest.approx(200.0))
+    assert r.counters == {"local": 2.0, "remote": 1.0} and r.rank_pages == {"decode": [3, 4]}
+    assert r.loadavg == [(1.0, 2.0), (2.0, 3.0)]
 
 
 def test_comparison_ratios_and_targets():
