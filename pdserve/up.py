@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 
 from .core.child_process import spawn_child
-from .core.cpu_binding import split_among_servers
+from .core.cpu_binding import UP_DP, up_layout
 from .core.netaddr import host_port, local_connect_host
 from .router.config import POLICY_NAMES
 
@@ -44,8 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-port", type=int, default=30001)
     p.add_argument("--decode-port", type=int, default=30002)
     p.add_argument("--bootstrap-port", type=int, default=8998)
-    p.add_argument("--prefill-dp", type=int, default=2)
-    p.add_argument("--decode-dp", type=int, default=2)
+    p.add_argument("--prefill-dp", type=int, default=None,
+                   help=f"prefill DP workers (default {UP_DP} with at least {2 * UP_DP} cores, else 1)")
+    p.add_argument("--decode-dp", type=int, default=None,
+                   help=f"decode DP workers (default {UP_DP} with at least {2 * UP_DP} cores, else 1)")
     p.add_argument("--transfer-backend", default="tcp", choices=["tcp", "mooncake", "nixl"])
     p.add_argument("--max-total-tokens", type=int, default=32768, help="KV pool tokens per worker")
     p.add_argument("--dtype", default="auto")
@@ -71,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache_aware: the router's flag (default: the router's, 1.5)")
     p.add_argument("--disagg-local-prefill-max-tokens", type=int, default=0,
                    help="the decode prefills a request itself when at most this many of its prompt tokens "
-                        "are missing from its prefix cache (pdserve serve's flag; 0 = never)")
+                        "are missing from its prefix cache (pdserve serve's flag; default 0 = never: on "
+                        "one host the decode's core then also does the prefill's work, and the prefill "
+                        "starts each such prompt before the drop reaches it)")
     p.add_argument("--prefill-cpu-bind", default="",
                    help="the prefill server's --cpu-bind (per-rank CPU lists like 0|1; default: split below)")
     p.add_argument("--decode-cpu-bind", default="", help="the decode server's --cpu-bind")
@@ -157,7 +161,7 @@ class Cluster:
         self.model_dir = model_dir
         self.log_dir = log_dir
         self.procs: list[tuple[str, subprocess.Popen, str]] = []  # (name, process, log path)
-        p_cpus, d_cpus = split_among_servers([a.prefill_dp, a.decode_dp])  # no two oversubscribe a core
+        self.prefill_dp, self.decode_dp, p_cpus, d_cpus = up_layout(a.prefill_dp, a.decode_dp)
         self.prefill_cpus, self.decode_cpus = a.prefill_cpu_bind or p_cpus, a.decode_cpu_bind or d_cpus
 
     def _spawn(self, name: str, args: list[str]) -> None:
@@ -177,10 +181,10 @@ class Cluster:
         local = ["--disagg-local-prefill-max-tokens", str(a.disagg_local_prefill_max_tokens)] \
             if a.disagg_local_prefill_max_tokens else []
         self._spawn("prefill", ["serve", "--role", "prefill", "--port", str(a.prefill_port),
-                                "--dp-size", str(a.prefill_dp), "--bootstrap-port", str(a.bootstrap_port),
+                                "--dp-size", str(self.prefill_dp), "--bootstrap-port", str(a.bootstrap_port),
                                 "--cpu-bind", self.prefill_cpus, *common])
         self._spawn("decode", ["serve", "--role", "decode", "--port", str(a.decode_port),
-                               "--dp-size", str(a.decode_dp), "--cpu-bind", self.decode_cpus, *local, *common])
+                               "--dp-size", str(self.decode_dp), "--cpu-bind", self.decode_cpus, *local, *common])
         self._wait(_url(a.host, a.prefill_port) + "/health", "prefill")
         self._wait(_url(a.host, a.decode_port) + "/health", "decode")
         self._spawn("router", ["router", "--pd-disaggregation", "--host", a.host, "--port", str(a.port),
@@ -252,8 +256,8 @@ def main(argv: list[str] | None = None) -> None:
     cluster = Cluster(a, model_dir, log_dir, signals)
     signals.install()
     url = _url(a.host, a.port)
-    print(f"pdserve up: starting router + prefill (dp {a.prefill_dp}, cores {cluster.prefill_cpus}) + decode "
-          f"(dp {a.decode_dp}, cores {cluster.decode_cpus}); logs in {log_dir}", file=sys.stderr, flush=True)
+    print(f"pdserve up: starting router + prefill (dp {cluster.prefill_dp}, cores {cluster.prefill_cpus}) + decode "
+          f"(dp {cluster.decode_dp}, cores {cluster.decode_cpus}); logs in {log_dir}", file=sys.stderr, flush=True)
     try:
         cluster.start()
         example = {"messages": [{"role": "user", "content": a.ask or "What is the capital of France?"}],
@@ -262,8 +266,8 @@ def main(argv: list[str] | None = None) -> None:
             reply = _post(f"{url}/v1/chat/completions", example)
             print(reply["choices"][0]["message"]["content"], flush=True)
             return
-        print(f"pdserve is up: router {url}  (prefill :{a.prefill_port} dp={a.prefill_dp}, "
-              f"decode :{a.decode_port} dp={a.decode_dp}; logs in {log_dir})\ntry:\n  curl {url}/v1/chat/completions "
+        print(f"pdserve is up: router {url}  (prefill :{a.prefill_port} dp={cluster.prefill_dp}, "
+              f"decode :{a.decode_port} dp={cluster.decode_dp}; logs in {log_dir})\ntry:\n  curl {url}/v1/chat/completions "
               f"-H 'Content-Type: application/json' -d '{json.dumps(example)}'", flush=True)
         while True:
             cluster.check_alive()

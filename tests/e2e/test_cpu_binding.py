@@ -8,7 +8,8 @@ import os
 import pytest
 
 from pdserve.core.config import ServerConfig
-from pdserve.core.cpu_binding import CpuBindError, parse_cpus, rank_cpus, split_among_servers, threads_for
+from pdserve.core.cpu_binding import (CpuBindError, parse_cpus, rank_cpus, split_among_servers, threads_for,
+                                      up_layout)
 from pdserve.core.wait_policy import WaitChoice
 from pdserve.server.worker_cmd import wait_choice, worker_env
 
@@ -65,6 +66,17 @@ def test_servers_started_together_get_their_own_cores_where_there_are_enough():
     assert split_among_servers([1, 1], [0, 1]) == ["0", "1"]
     assert split_among_servers([2, 2], [0, 1]) == ["0|1", "0|1"]  # one core each, dealt round robin
     assert split_among_servers([1, 2], list(range(6))) == ["0,1", "2,3|4,5"]
+
+
+def test_up_layout_gives_every_worker_a_core_or_shrinks_the_dp_sizes():
+    assert up_layout(None, None, list(range(8))) == (2, 2, "0,1|2,3", "4,5|6,7")
+    assert up_layout(None, None, [0, 1, 2, 3]) == (2, 2, "0|1", "2|3")
+    assert up_layout(None, None, [0, 1]) == (1, 1, "0", "1")  # 4 workers would share cores
+    assert up_layout(None, None, [4, 5, 6]) == (1, 1, "4", "5,6")
+    assert up_layout(None, None, [3]) == (1, 1, "3", "3")
+    assert up_layout(2, 2, [0, 1]) == (2, 2, "0|1", "0|1")  # asked for: dealt round robin
+    assert up_layout(2, None, [0, 1]) == (2, 1, "0|1", "0")
+    assert up_layout(1, 3, list(range(8))) == (1, 3, "0,1", "2,3|4,5|6,7")
 
 
 @pytest.mark.e2e
