@@ -6,6 +6,12 @@ child on Ctrl-C or SIGTERM, start-up included. The children die with `up` howeve
 (core/child_process.py: a parent-death signal), and their DP workers die with them.
 `--ask TEXT` sends one chat request through the router, prints only the answer on stdout, and
 stops everything.
+
+The router is cache_aware and DP-aware (each turn of a chat goes to the prefill and decode DP
+ranks that hold its prefix) with `--balance-abs-threshold 1` (chats sharing a system prompt
+spread over the ranks). Every worker gets cores of its own: dp 2 + 2 from 4 cores, dp 1 + 1
+below (core/cpu_binding.up_layout). Measured against a colocated server on the same cores by
+`pdserve bench up` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
