@@ -107,9 +107,10 @@ def up_layout(prefill_dp: int | None, decode_dp: int | None,
     left unset is UP_DP where every worker of the two servers gets a core of its own, else 1: with
     fewer cores than workers a prefill and a decode worker share a core, and each prefill chunk
     slows the decode's steps. On the 2-core dev VM, multi-turn chats (`pdserve bench up`), dp 1 +
-    1 with a core each against dp 2 + 2 on shared cores: mean TTFT 1.08x vs 1.17x colocated's,
-    ITL p99 0.47x vs 0.61x, output 0.99x vs 0.89x, prompt tokens reused -4.1 vs -6.5 points
-    (docs/benchmarks.md, "`pdserve up` against colocated"). With both unset and fewer than
+    1 with a core each against dp 2 + 2 on shared cores, quiet: mean TTFT 1.29x vs 1.42x
+    colocated's, ITL p99 0.54x vs 0.79x, prompt tokens reused -4.1 vs -4.9 points; under other
+    load 1.08x vs 1.17x, 0.47x vs 0.61x, -4.1 vs -6.5 (docs/benchmarks.md, "`pdserve up`
+    against colocated"). With both unset and fewer than
     2 * UP_DP cores the prefill gets the first core and the decode the rest (1 core: they share
     it); sizes given are split by split_among_servers."""
     cpus = available_cpus() if cpus is None else cpus
