@@ -8,6 +8,11 @@ MODEL_DIR=$($PY -c 'from pdserve.model_files.resolve import resolve_model; from 
 PORT=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 URL=http://127.0.0.1:$PORT
 pid=""
+# which CPU every figure of the run came from
+echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs); $(nproc) cores;" \
+  "amx: $(grep -qw amx_bf16 /proc/cpuinfo && echo yes || echo no);" \
+  "avx512_bf16: $(grep -qw avx512_bf16 /proc/cpuinfo && echo yes || echo no); load: $(cut -d' ' -f1-3 /proc/loadavg)" \
+  | tee "$OUT/cpu.txt"
 stop() { if [ -n "$pid" ]; then kill -- -"$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; fi; pid=""; }
 
 wait_up() {  # $1: the server's log, shown if it exits

@@ -5,6 +5,7 @@
 #   bash scripts/bench_long_prompts_vs_vllm.sh [OUT_DIR]      (benchmark only, never in CI)
 # Cases: one request at a time with max_tokens 1 at 1k/2k/4k/8k prompt tokens (TTFT = prefill
 # time, median of 5), and 16 random 1088-token prompts, 32 output tokens, 4 in flight.
+# Knobs (environment): LENS, PREFILL_RUNS, FLIGHT_PROMPTS, SKIP_VLLM=1, SKIP_BUSY=1, PDSERVE_ARGS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/bench_common.sh
@@ -22,13 +23,15 @@ bench() {  # $1 result name, more: vLLM bench serve flags
 }
 
 cases() {  # $1 system name
-  for hogged in alone busy; do
+  local modes="alone busy"
+  [ -n "${SKIP_BUSY:-}" ] && modes=alone
+  for hogged in $modes; do
     [ "$hogged" = busy ] && { python3 -c 'while True: pass' & hog=$!; }
     for n in $LENS; do
       bench "$1-$hogged-prefill-$n" --random-input-len "$n" --random-output-len 1 --num-prompts "${PREFILL_RUNS:-5}" \
         --max-concurrency 1 --random-range-ratio 0
     done
-    bench "$1-$hogged-4-in-flight" --random-input-len 1088 --random-output-len 32 --num-prompts 16 \
+    bench "$1-$hogged-4-in-flight" --random-input-len 1088 --random-output-len 32 --num-prompts "${FLIGHT_PROMPTS:-16}" \
       --max-concurrency 4 --random-range-ratio 0
     stop_hog
   done

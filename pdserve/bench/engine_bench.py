@@ -76,26 +76,6 @@ def _hf_generate(model, prompts: list[list[int]], new_tokens: int, batch: int) -
     return n
 
 
-def _with_workers_wait_setting(a, argv) -> None:
-    """Re-run this process with the OpenMP wait setting a server's worker of these threads gets
-    (core/wait_policy.py), unless the environment names one: libgomp reads it only at start."""
-    import os
-    import sys
-
-    from ..core.wait_policy import USER_VARS
-
-    if a.device != "cpu" or any(k in os.environ for k in USER_VARS):
-        return
-    from ..core.config import ServerConfig
-    from ..server.worker_cmd import wait_choice
-
-    choice = wait_choice(ServerConfig(num_threads=a.threads or os.cpu_count() or 1, cpu_bind="none"), os.environ)
-    if choice.env:
-        args = sys.argv[1:] if argv is None else list(argv)
-        os.execve(sys.executable, [sys.executable, "-m", "pdserve.bench.engine_bench", *args],
-                  {**os.environ, **choice.env})
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="pdserve bench engine")
     p.add_argument("--model", default="smollm2-135m")
@@ -112,7 +92,6 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     import os
 
-    _with_workers_wait_setting(a, argv)
     from transformers import AutoModelForCausalLM
 
     from ..core.envs import Envs
@@ -146,7 +125,8 @@ def main(argv=None) -> None:
           f"repeats={a.repeats} cpu={HostInfo.read().model_name!r} matmul={plan.matmul.value} "
           f"decode_attention={plan.decode_attention.value} "
           f"prefill_attention={','.join(p.value for p in plan.prefill_attention)} norms={plan.elementwise.value} "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')} GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '')}")
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')} GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '')} "
+          "(a server's worker gets the setting `pdserve bench calibrate` shows; set it here to match)")
     print(f"{'case (median tokens/s)':<40}{'clock':>6}{'pdserve':>10}{'HF':>10}{'ratio':>8}")
     cases = (("single-stream decode", "single"),
              (f"{a.concurrency} concurrent vs HF batch {a.hf_batch}", "many"))
