@@ -12,7 +12,7 @@
  * rounded: the same bits whatever the number of rows, the row's place in the batch or the
  * thread count (batch-invariant). Register blocks: 6 rows x 16 columns, or fewer rows x 32-64
  * columns, so that there are always enough independent chains to hide the FMA latency.
- * Threads split the panels; rows go in chunks that keep their float32 copy in L2.
+ * Threads take (row chunk, panel group) items as they come; a chunk's float32 rows stay in L2.
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -166,6 +166,11 @@ int pd_linear_bf16(const bf16 *x, int64_t M, int64_t ldx, const bf16 *wp, int64_
         nthreads = 1;
     if (nthreads > panels)
         nthreads = (int)panels;
+    /* panels per item: about 4 items per thread per row chunk, 1 to 16 panels each */
+    int64_t group = panels / (4 * (int64_t)nthreads);
+    group = group < 1 ? 1 : group > 16 ? 16 : group;
+    const int64_t groups = (panels + group - 1) / group;
+    const int64_t n_items = (M + chunk - 1) / chunk * groups;
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
@@ -182,11 +187,14 @@ int pd_linear_bf16(const bf16 *x, int64_t M, int64_t ldx, const bf16 *wp, int64_
                 memcpy(dst + k, &u, 4);
             }
         }
-        int t = omp_get_thread_num();
-        int nt = omp_get_num_threads();
-        int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+        /* items: (row chunk, group of panels), row chunk major so both threads share a chunk's
+         * rows in L2; taken dynamically, so a thread the OS preempted (a busy neighbour) holds
+         * back only its current item, not a fixed half of the work */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < n_items; it++) {
+            int64_t m0 = it / groups * chunk, p0 = it % groups * group;
             int64_t rows = M - m0 < chunk ? M - m0 : chunk;
+            int64_t p1 = p0 + group < panels ? p0 + group : panels;
             rows_panels(a + m0 * lda, lda, rows, wp, N, K, bf, y + m0 * ldy, ldy, p0, p1);
         }
     }
