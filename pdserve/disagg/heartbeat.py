@@ -56,8 +56,10 @@ class Heartbeat:
             n = self.peers.misses(addr)
             if n >= self.max_failures:
                 self.peers.reset_misses(addr)
-                self.on_gone(addr, f"prefill bootstrap {addr} missed {n} heartbeats "
-                                   f"({self.interval:.1f}s apart): prefill server is gone")
+                reason = (f"prefill bootstrap {addr} missed {n} heartbeats ({self.interval:.1f}s apart): "
+                          "prefill server is gone")
+                self.peers.mark_gone(addr, reason)
+                self.on_gone(addr, reason)
             return
         self.on_alive(addr, health.instance_id)
         gone = health.gone_ranks

@@ -5,7 +5,8 @@ answered, missed heartbeats, the ranks whose worker died, and the load it last r
 Thread-safe: the resolver's threads, the query batcher and the heartbeat share one PrefillPeers.
 An answer with a new instance id (the prefill restarted on the same port) drops the topology
 and endpoints learned from the old one. `topology(max_age_s=...)` first asks /health when the
-server has been silent for longer, so a restart is noticed before stale endpoints are used.
+server has been silent for longer, so a restart is noticed before stale endpoints are used; a
+server the heartbeat gave up (`mark_gone`) fails new rooms at once unless it answers again.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .bootstrap_client import BootstrapClient, Health
+from .bootstrap_client import BootstrapClient, BootstrapError, Health
 from .bootstrap_table import RankInfo, Topology
+
+GONE_RECHECK_S = 1.0  # a new room naming a prefill given up asks its /health this long, once
 
 
 @dataclass
@@ -31,6 +34,7 @@ class PrefillPeer:
     misses: int = 0  # heartbeats in a row without an answer
     gone_ranks: dict[int, str] = field(default_factory=dict)  # from its last /health
     load_tokens: int | None = None  # prompt tokens queued or in flight there, from its last /health
+    gone: str = ""  # why the heartbeat gave it up ("" = not given up, or heard from since)
 
 
 class PrefillPeers:
@@ -52,13 +56,20 @@ class PrefillPeers:
             peer.topology, peer.endpoints = None, {}  # learned from an instance that is gone
         if instance_id:
             peer.instance_id = instance_id
-        peer.heard, peer.misses = self._clock(), 0
+        peer.heard, peer.misses, peer.gone = self._clock(), 0, ""
         return peer
 
     # ---- lookups (resolver threads) --------------------------------------------------------
     def topology(self, addr: str, *, deadline_s: float | None = None,
                  max_age_s: float | None = None) -> Topology:
-        """The topology of `addr`, fetched on a miss (retrying on 503 until `deadline_s`)."""
+        """The topology of `addr`, fetched on a miss (retrying on 503 until `deadline_s`). A
+        server the heartbeat gave up is asked /health once first: if it still does not answer,
+        BootstrapError at once with the heartbeat's reason, not a wait for the deadline (a server
+        never reached is still retried: it may be starting)."""
+        with self._lock:
+            gone = self._peer(addr).gone
+        if gone and self.beat(addr, timeout=min(self.client.timeout, GONE_RECHECK_S)) is None:
+            raise BootstrapError(gone)
         with self._lock:
             peer = self._peer(addr)
             cached, silent = peer.topology, self._clock() - peer.heard
@@ -90,6 +101,13 @@ class PrefillPeers:
         with self._lock:
             self._answered(addr, "")
         return found_failed
+
+    def mark_gone(self, addr: str, reason: str) -> None:
+        """The heartbeat gave `addr` up: forget what it said, and fail new rooms naming it at
+        once with `reason` until it answers again (topology)."""
+        with self._lock:
+            peer = self._peer(addr)
+            peer.topology, peer.endpoints, peer.gone = None, {}, reason
 
     def invalidate(self, addr: str) -> None:
         """Forget the topology and endpoints of `addr` (e.g. a send to a cached endpoint failed)."""
@@ -133,4 +151,4 @@ class PrefillPeers:
         with self._lock:
             p = self._peer(addr)
             return PrefillPeer(p.addr, p.topology, dict(p.endpoints), p.instance_id, p.heard, p.misses,
-                               dict(p.gone_ranks), p.load_tokens)
+                               dict(p.gone_ranks), p.load_tokens, p.gone)

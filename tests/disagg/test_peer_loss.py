@@ -12,7 +12,7 @@ import pytest
 from pdserve.core.errors import Unavailable
 from pdserve.core.kv_layout import KVLayout
 from pdserve.disagg import wire
-from pdserve.disagg.bootstrap_client import BootstrapClient, Health
+from pdserve.disagg.bootstrap_client import BootstrapClient, BootstrapError, Health
 from pdserve.disagg.prefill_peers import PrefillPeers
 from pdserve.disagg.bootstrap_server import ThreadedBootstrap
 from pdserve.disagg.bootstrap_table import BootstrapTable, RankInfo
@@ -231,6 +231,43 @@ def test_heartbeat_reports_gone_ranks_and_the_live_instance_of_every_answer():
         assert peers.misses(ADDR) == 1
         hb.beat_all()
         assert peers.misses(ADDR) == 0 and "missed 2 heartbeats" in calls[-1][1]
+    finally:
+        hb.close()
+
+
+def test_a_prefill_the_heartbeat_gave_up_fails_new_rooms_at_once():
+    """A new room naming a prefill the heartbeat declared gone fails at once with that reason
+    (not after the topology deadline); once it answers again it is used; one never reached is
+    still retried until the deadline (it may be starting)."""
+    client = StubClient()
+    topo_calls = []
+    TOPO = type("Topo", (), {"instance_id": ""})()
+
+    def fetch_topology(addr, *, deadline_s=None):
+        topo_calls.append(deadline_s)
+        if client.instance is None:
+            raise BootstrapError(f"bootstrap {addr}: no answer for {deadline_s} s")
+        return TOPO
+    client.fetch_topology = fetch_topology
+    peers = PrefillPeers(client)
+    hb = Heartbeat(peers, interval=3600.0, max_failures=2, watched=lambda: {ADDR},
+                   on_gone=lambda addr, reason, **kw: None)
+    try:
+        with pytest.raises(BootstrapError, match="no answer for 30"):  # never reached: retried
+            client.instance = None
+            peers.topology(ADDR, deadline_s=30)
+        client.instance = "a"
+        assert peers.topology(ADDR, deadline_s=30) is TOPO
+        client.instance = None
+        hb.beat_all()
+        hb.beat_all()  # given up
+        assert peers.snapshot(ADDR).gone and peers.snapshot(ADDR).topology is None
+        t0 = time.monotonic()
+        with pytest.raises(BootstrapError, match=f"prefill bootstrap {ADDR} missed 2 heartbeats.*gone"):
+            peers.topology(ADDR, deadline_s=30)
+        assert time.monotonic() - t0 < 1.0 and len(topo_calls) == 2  # no fetch, no wait
+        client.instance = "b"  # back (restarted): used again
+        assert peers.topology(ADDR, deadline_s=30) is TOPO and not peers.snapshot(ADDR).gone
     finally:
         hb.close()
 

@@ -10,6 +10,7 @@ by watching server_info, never by sleeping a guessed time.
 
 from __future__ import annotations
 
+import time
 import types
 from concurrent.futures import ThreadPoolExecutor
 
@@ -203,6 +204,14 @@ def test_kill_prefill_server(cluster, legs, knobs, reference, phase, spare):
             assert held["quarantined_handoffs"] == 0 and expired, (held, D.tail(20))
         else:
             assert held["quarantined_handoffs"] == 1, held
+        # the decode rank that watched S knows it is gone: a new request naming S fails at once,
+        # saying so (it used to wait out the topology deadline, 5 s here, 30 s by default)
+        t0 = time.monotonic()
+        late = legs.post(D.url + "/generate", pd_body({"text": "hello", "sampling_params": GREEDY}, S,
+                                                      room_on(0, 1) + 2, routed_dp_rank=D_LAST),
+                         timeout=LEG_TIMEOUT).result()
+        assert time.monotonic() - t0 < 2.0, time.monotonic() - t0
+        assert_failed(late, "missed", "heartbeats", "prefill server is gone")
     D.wait_idle(timeout=QUARANTINE_S + 15)
     assert_serves(cluster.P, D, P_LAST, D_LAST, reference)
 
