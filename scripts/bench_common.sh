@@ -9,7 +9,8 @@ PORT=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print
 URL=http://127.0.0.1:$PORT
 pid=""
 # which CPU every figure of the run came from
-echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs); $(nproc) cores;" \
+field() { grep -m1 "^$1" /proc/cpuinfo | cut -d: -f2- | xargs; }
+echo "cpu: $(field 'model name') (family $(field 'cpu family') model $(field 'model')); $(nproc) cores;" \
   "amx: $(grep -qw amx_bf16 /proc/cpuinfo && echo yes || echo no);" \
   "avx512_bf16: $(grep -qw avx512_bf16 /proc/cpuinfo && echo yes || echo no); load: $(cut -d' ' -f1-3 /proc/loadavg)" \
   | tee "$OUT/cpu.txt"
