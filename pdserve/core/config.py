@@ -111,7 +111,7 @@ class ServerConfig:
                                                                  "torch", "torch_fp32"), default="auto")
     cpu_wait_policy: str = _opt(
         "how workers' OpenMP threads wait between parallel regions: auto (measured once per CPU: "
-        "spinning is fast on a quiet machine, sleeping is fast beside busy neighbours), passive, "
+        "the fastest alone of the settings that hold up beside a busy neighbour), passive, "
         "active or spin:N (libgomp's GOMP_SPINCOUNT); a user's OMP_WAIT_POLICY or GOMP_SPINCOUNT "
         "wins over auto", default="auto")
     cpu_norms: str = _opt("force norms and RoPE: fused (our C ops) or torch; auto: measured",

@@ -19,7 +19,10 @@ import sys
 import time
 
 LAYERS = 30
-HOG = "import os, sys; os.sched_setaffinity(0, [int(sys.argv[1])])\nwhile True: pass"
+# a neighbour as one arrives: free to run on any of our cores, placed by the scheduler (a hog
+# pinned to one core measured spinning waits 2x too kind on a Zen 5 VM)
+HOG = "import os, sys; os.sched_setaffinity(0, [int(c) for c in sys.argv[1].split(',')])\nwhile True: pass"
+SETTLE_S = 0.2  # the neighbour started and placed before the clock runs
 
 
 def _loop(torch, g):
@@ -53,7 +56,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m pdserve.engine.wait_probe")
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--cpus", default="", help="comma-separated cores to run on (default: all)")
-    p.add_argument("--seconds", type=float, default=0.4, help="per measurement")
+    p.add_argument("--seconds", type=float, default=0.6, help="per measurement")
     a = p.parse_args(argv)
     cpus = [int(c) for c in a.cpus.split(",") if c] or sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, cpus)
@@ -63,9 +66,9 @@ def main(argv=None) -> None:
     step = _loop(torch, torch.Generator().manual_seed(0))
     step()
     quiet = _time(step, a.seconds)
-    hog = subprocess.Popen([sys.executable, "-c", HOG, str(cpus[-1])])
+    hog = subprocess.Popen([sys.executable, "-c", HOG, ",".join(map(str, cpus))])
     try:
-        time.sleep(0.05)
+        time.sleep(SETTLE_S)
         busy = _time(step, a.seconds)
     finally:
         hog.kill()
