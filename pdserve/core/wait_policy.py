@@ -4,8 +4,9 @@ Spinning threads answer the next region at once, which single-stream decode (hun
 regions a step) needs on some CPUs (an Intel Xeon lost 40% with passive waits); a spinning thread
 also keeps a core another process wants, which costs 2-7x beside a busy neighbour. So the front
 runs engine/wait_probe.py once per candidate setting, in a subprocess on the worker's cores,
-alone and beside a CPU-bound process, and keeps the fastest alone among those that do not fall
-behind beside the busy process (see pick), cached per CPU, threads and torch version like the
+alone and beside a CPU-bound process, and keeps the fastest alone where the workers' spin governor
+guards the busy case (a team as large as its cores), else the fastest alone among those that do
+not fall behind beside the busy process (see pick), cached per CPU, threads and torch version like the
 engine's plan.
 A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT, or --cpu-wait-policy, is taken as given.
 """
@@ -40,7 +41,7 @@ CANDIDATES: dict[str, dict[str, str]] = {
 }
 USER_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 PROBE_TIMEOUT_S = 90.0
-VERSION = 2  # 2: unpinned neighbour in the probe, the BUSY_SLACK rule
+VERSION = 3  # 2: unpinned neighbour in the probe, the BUSY_SLACK rule; 3: governed workers
 
 
 def env_for(spec: str) -> dict[str, str]:
@@ -70,22 +71,33 @@ class WaitChoice:
 BUSY_SLACK = 1.10
 
 
-def pick(measured: dict[str, dict[str, float]]) -> tuple[str, str]:
-    """(policy, why): the fastest setting on a quiet machine among those within BUSY_SLACK of
-    the best beside a busy neighbour (quiet speed is not bought with a cliff under load)."""
+def pick(measured: dict[str, dict[str, float]], governed: bool = False) -> tuple[str, str]:
+    """(policy, why). governed: the workers' spin governor (engine/spin_governor.py) parks the
+    team while idle and beside busy neighbours, so the fastest setting alone wins. Otherwise the
+    fastest alone among those within BUSY_SLACK of the best beside a busy neighbour (quiet speed
+    is not bought with a cliff under load)."""
+    shown = ", ".join(f"{p} {m['quiet_ms']:.3g}/{m['busy_ms']:.3g} ms"
+                      for p, m in sorted(measured.items(), key=lambda kv: kv[1]["quiet_ms"]))
+    fastest = min(measured, key=lambda p: measured[p]["quiet_ms"])
+    if governed:
+        return fastest, (f"{fastest}: fastest alone; the spin governor runs one thread while other"
+                         f" processes use the cores (alone/busy without it: {shown})")
     bb = min(m["busy_ms"] for m in measured.values())
     ok = {p: m for p, m in measured.items() if m["busy_ms"] <= BUSY_SLACK * bb}
     best = min(ok, key=lambda p: ok[p]["quiet_ms"])
-    shown = ", ".join(f"{p} {m['quiet_ms']:.3g}/{m['busy_ms']:.3g} ms"
-                      for p, m in sorted(measured.items(), key=lambda kv: kv[1]["quiet_ms"]))
     why = (f"{best}: fastest alone of those within {BUSY_SLACK:.2f}x of the best beside a busy"
            f" neighbour (alone/busy: {shown})")
-    fastest = min(measured, key=lambda p: measured[p]["quiet_ms"])
     if fastest != best:
         gain = measured[best]["quiet_ms"] / measured[fastest]["quiet_ms"]
         why += (f"; {fastest} would be {gain:.2f}x faster alone: --cpu-wait-policy {fastest}"
                 " where the cores are the server's alone")
     return best, why
+
+
+def governed(threads: int, cpus: list[int]) -> bool:
+    """Whether workers of `threads` threads on `cpus` run the spin governor (engine/spin_governor.py
+    governor_for: a team as large as its cores, of two threads or more)."""
+    return threads >= 2 and threads >= len(cpus)
 
 
 Probe = Callable[[dict[str, str], int, list[int]], dict[str, float]]
@@ -124,7 +136,9 @@ def resolve(spec: str, threads: int, cpus: list[int] | None, cache_dir: Path | N
     if threads <= 1:
         return WaitChoice("passive", env_for("passive"), "one thread per worker: no region waits for another thread")
     host = host or HostInfo.read()
-    key = _key(host, threads)
+    cpus = cpus or sorted(os.sched_getaffinity(0))
+    gov = governed(threads, cpus)
+    key = {**_key(host, threads), "governed": gov}
     path = None
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -133,7 +147,6 @@ def resolve(spec: str, threads: int, cpus: list[int] | None, cache_dir: Path | N
         cached = None if redo else _load(path, key)
         if cached is not None:
             return cached
-        cpus = cpus or sorted(os.sched_getaffinity(0))
         measured, t0 = {}, time.monotonic()
         for name, env in CANDIDATES.items():
             try:
@@ -142,7 +155,7 @@ def resolve(spec: str, threads: int, cpus: list[int] | None, cache_dir: Path | N
                 log.warning("wait policy %s: probe failed: %s", name, e)
         if not measured:
             return WaitChoice("passive", env_for("passive"), "probes failed: passive, the safe choice beside busy work")
-        policy, why = pick(measured)
+        policy, why = pick(measured, gov)
         choice = WaitChoice(policy, env_for(policy), why, measured)
         log.info("wait policy measured in %.1f s: %s", time.monotonic() - t0, why)
         if path is not None:

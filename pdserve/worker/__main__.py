@@ -33,7 +33,7 @@ def main(argv=None) -> None:
     set_process_cpus(rank_cpus(cfg.cpu_bind, args.dp_rank, cfg.dp_size))  # before any thread starts
     channel = WorkerChannel(args.in_addr, args.out_addr)
     try:
-        from .setup import build_engine
+        from .setup import build_engine, spin_governor
         from .role import RoleContext
         from .roles import ROLES
 
@@ -42,6 +42,7 @@ def main(argv=None) -> None:
                                            envs.allow_long_context)
         role = ROLES[cfg.role](RoleContext(engine, args.dp_rank, cfg, envs, mcfg, channel.wake))
         info = role.start()
+        governor = spin_governor(cfg, args.dp_rank)
     except Exception as e:  # report start-up failure to the front in one line, then exit
         logging.getLogger(__name__).error("worker start failed: %s", traceback.format_exc())
         channel.send(WorkerFailed(args.dp_rank, f"{type(e).__name__}: {e}"))
@@ -54,7 +55,7 @@ def main(argv=None) -> None:
                                                       "vocab_size": mcfg.vocab_size,
                                                       "cpu_plan": engine.plan.to_json(), **info}))
     try:
-        WorkerLoop(engine, role, channel, args.dp_rank).run()
+        WorkerLoop(engine, role, channel, args.dp_rank, governor).run()
     finally:
         role.close()
         channel.close()

@@ -11,6 +11,7 @@ from dataclasses import asdict
 from ..core.messages import (AbortReq, GenerateReq, OutputBatch, RoomDroppedNotice, RoomFailedNotice, RoomRoutedNotice, ShutdownReq,
                              StatsReq, TokenOutput, WorkerStats)
 from ..engine.engine import Engine
+from ..engine.spin_governor import SpinGovernor
 from .channel import WorkerChannel
 from .queue_clock import QueueClock
 from .role import WorkerRole
@@ -20,8 +21,10 @@ IDLE_POLL_S = 0.05
 
 
 class WorkerLoop:
-    def __init__(self, engine: Engine, role: WorkerRole, channel: WorkerChannel, dp_rank: int):
+    def __init__(self, engine: Engine, role: WorkerRole, channel: WorkerChannel, dp_rank: int,
+                 governor: SpinGovernor | None = None):
         self.engine = engine
+        self.governor = governor  # spinning waits only while they pay (engine/spin_governor.py)
         self.role = role
         self.channel = channel
         self.dp_rank = dp_rank
@@ -54,9 +57,13 @@ class WorkerLoop:
                 outs = []
                 started = time.time()
                 self.clock.before_step(self.engine.seqs, started)
+                if self.governor is not None:
+                    self.governor.before_step()
                 stepped = self.engine.step()
                 self.clock.after_step(self.engine.seqs, started)
                 outs.extend(self.role.on_step(stepped))
+            elif self.governor is not None:
+                self.governor.idle()
             self._send(outs)
 
     def _send(self, outs: list[TokenOutput]) -> None:
@@ -94,6 +101,8 @@ class WorkerLoop:
         extra = {"held_pages": s.held_pages, "time": time.time(),
                  "prefix_cache": {"enabled": self.engine.cache.enabled, **asdict(s.cache)},
                  **self.role.stats_extra()}
+        if self.governor is not None:
+            extra["cpu_waits"] = self.governor.summary()
         if flushed_pages is not None:
             extra["flushed_pages"] = flushed_pages
         return WorkerStats(

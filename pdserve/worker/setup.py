@@ -9,6 +9,7 @@ import torch
 
 from ..core.config import ServerConfig
 from ..core.cpu_binding import rank_cpus, threads_for
+from ..engine.spin_governor import SpinGovernor, governor_for
 from ..engine.cpu_fused import load_fused_ops
 from ..engine.calibration import Forced, PlanCache, plan_for
 from ..engine.cpu_kernels import PagedAttentionKernel, load_paged_attention
@@ -40,6 +41,13 @@ def pick_dtype(name: str, device: str, checkpoint: str | None = None) -> torch.d
 
 def pick_threads(cfg: ServerConfig, dp_rank: int = 0) -> int:
     return threads_for(cfg.num_threads, rank_cpus(cfg.cpu_bind, dp_rank, cfg.dp_size), cfg.dp_size)
+
+
+def spin_governor(cfg: ServerConfig, dp_rank: int = 0) -> SpinGovernor | None:
+    """The worker's spin governor where its waits spin on a team as large as its cores (CPU only)."""
+    if cfg.device != "cpu":
+        return None
+    return governor_for(pick_threads(cfg, dp_rank))
 
 
 def available_memory_bytes() -> int:
