@@ -110,8 +110,8 @@ class ServerConfig:
                                       "measured per KV length", ("auto", "kernel", "kernel_per_query",
                                                                  "torch", "torch_fp32"), default="auto")
     cpu_wait_policy: str = _opt(
-        "how workers' OpenMP threads wait between parallel regions: auto (measured once per CPU: "
-        "the fastest alone of the settings that hold up beside a busy neighbour), passive, "
+        "how workers' OpenMP threads wait between parallel regions: auto (measured once per CPU; "
+        "spinning workers park their threads while idle and beside CPU-bound processes), passive, "
         "active or spin:N (libgomp's GOMP_SPINCOUNT); a user's OMP_WAIT_POLICY or GOMP_SPINCOUNT "
         "wins over auto", default="auto")
     cpu_norms: str = _opt("force norms and RoPE: fused (our C ops) or torch; auto: measured",
