@@ -10,7 +10,7 @@ boundaries, between TEAM (all threads, the worker's spinning waits) and SOLO: on
 cores + 1 threads puts the team's threads to sleep, then one thread does the work (the same
 VM, beside one busy process: 67 tok/s single-stream and a 1024-token prefill in 829 ms, against
 25 tok/s and 1292 ms for the spinning team). SOLO while idle and while a CPU-bound process
-shares our cores (one that takes a core whole when we free it); TEAM otherwise.
+shares our cores (found by a test: its use grows when we free a core); TEAM otherwise.
 """
 
 from __future__ import annotations
@@ -25,17 +25,33 @@ from ..core.wait_policy import governed
 
 WINDOW_S = 0.5  # how often the cores' use is read (at a step boundary)
 SUSPECT = 0.25  # other processes' cores of time on our cores, with the team spinning, that makes
-# us test whether one of them is CPU-bound: run solo for a window and see whether it takes the
-# freed core whole (a load generator or the front use a share of a core in bursts, and the
-# spinning team is faster beside them; measured beside a benchmark client, solo lost 39% at 32
-# concurrent requests)
-CPU_BOUND = 0.85  # other processes' cores of time, with us solo, that keeps us solo
-RETRY_S = 5.0  # after a test found nothing CPU-bound, the wait before the next test
+# us test for a CPU-bound one: run solo for a window and see whether their use grows into the
+# freed core (a CPU-bound process's does; a load generator's or the front's follows our token
+# rate and does not, and the spinning team is faster beside them: solo lost 39% at 32
+# concurrent requests beside a benchmark client)
+GROWTH = 1.25  # their use solo over their use beside the team that marks one CPU-bound
+MIN_SOLO_OTHERS = 0.5  # ... and at least this many cores of it
+RETRY_S = 5.0  # the next test after one (either way): a neighbour may come or go
 
 
 class SpinMode(str, enum.Enum):
     TEAM = "team"  # `threads` threads whose waits spin (the worker's wait policy)
     SOLO = "solo"  # one thread; the team's others asleep (parked by a region of cores + 1)
+
+
+class Sharing(str, enum.Enum):
+    """What the governor believes about the cores; working mode: TEAM when ALONE, else SOLO."""
+    ALONE = "alone"  # no CPU-bound neighbour found (or none tested yet)
+    TESTING = "testing"  # solo for one window to see whether the others' use grows
+    SHARED = "shared"  # a CPU-bound neighbour found: solo until the next test
+
+
+# the moves _observe makes (it checks each against this table)
+MOVES = {
+    Sharing.ALONE: {Sharing.TESTING},
+    Sharing.TESTING: {Sharing.ALONE, Sharing.SHARED},
+    Sharing.SHARED: {Sharing.ALONE},  # a team window, then tested again if still suspect
+}
 
 
 def spins(env: dict[str, str] | os._Environ) -> bool:
@@ -44,7 +60,7 @@ def spins(env: dict[str, str] | os._Environ) -> bool:
     policy = env.get("OMP_WAIT_POLICY", "").strip().upper()
     if policy == "PASSIVE":
         return False
-    return policy == "ACTIVE" or env.get("GOMP_SPINCOUNT", "").strip() not in ("0",)
+    return policy == "ACTIVE" or env.get("GOMP_SPINCOUNT", "").strip() != "0"
 
 
 @dataclass
@@ -81,18 +97,19 @@ class SpinGovernor:
         self.threads, self.cpus = threads, cpus
         self.set_threads, self.wake_team, self.read_use, self.clock = set_threads, wake_team, read_use, clock
         self.mode = SpinMode.TEAM
-        self.shared = False  # solo for other processes: testing, or a CPU-bound one found
-        self.testing = False
+        self.sharing = Sharing.ALONE
+        self.team_others = 0.0  # the others' use in the last team window before a test
         self.next_test = 0.0
         self.switches = 0
         self.others = 0.0  # cores' worth of other processes' time in the last window
         self._last_t, self._last = clock(), read_use(cpus)
+        self._team_s, self._mode_t = 0.0, self._last_t  # time in TEAM this window; last switch
 
     def before_step(self) -> None:
         now = self.clock()
         if now - self._last_t >= WINDOW_S:
             self._observe(now)
-        self._set(SpinMode.SOLO if self.shared else SpinMode.TEAM)
+        self._set(SpinMode.TEAM if self.sharing is Sharing.ALONE else SpinMode.SOLO)
 
     def idle(self) -> None:
         self._set(SpinMode.SOLO)
@@ -101,20 +118,34 @@ class SpinGovernor:
         use = self.read_use(self.cpus)
         wall = now - self._last_t
         self.others = max(0.0, (use.cores_busy - self._last.cores_busy) - (use.ours - self._last.ours)) / wall
-        self._last_t, self._last = now, use
-        if self.shared:  # solo this window
-            if self.others >= CPU_BOUND:
-                self.testing = False  # it took the freed core: stay solo while it does
-                return
-            if self.testing:
-                self.next_test = now + RETRY_S
-            self.shared = self.testing = False
-        elif self.others >= SUSPECT and now >= self.next_test:
-            self.shared = self.testing = True
+        team_share = self._team_time(now) / wall
+        self._last_t, self._last, self._team_s, self._mode_t = now, use, 0.0, now
+        if self.sharing is Sharing.ALONE:
+            # a window mostly parked for idleness says nothing of a neighbour beside the team
+            if self.others >= SUSPECT and now >= self.next_test and team_share >= 0.5:
+                self.team_others = self.others
+                self._move(Sharing.TESTING)
+        elif self.sharing is Sharing.TESTING:
+            grew = self.others >= max(MIN_SOLO_OTHERS, GROWTH * self.team_others)
+            self.next_test = now + RETRY_S
+            self._move(Sharing.SHARED if grew else Sharing.ALONE)
+        elif now >= self.next_test:  # SHARED: a team window, whose reading decides what next
+            self.next_test = now
+            self._move(Sharing.ALONE)
+
+    def _move(self, to: Sharing) -> None:
+        if to not in MOVES[self.sharing]:
+            raise AssertionError(f"spin governor: {self.sharing.value} -> {to.value}")
+        self.sharing = to
+
+    def _team_time(self, now: float) -> float:
+        return self._team_s + (now - self._mode_t if self.mode is SpinMode.TEAM else 0.0)
 
     def _set(self, mode: SpinMode) -> None:
         if mode is self.mode:
             return
+        now = self.clock()
+        self._team_s, self._mode_t = self._team_time(now), now
         self.mode = mode
         self.switches += 1
         if mode is SpinMode.TEAM:
@@ -125,7 +156,7 @@ class SpinGovernor:
         self.set_threads(1)  # one thread works (a team of one starts no other thread)
 
     def summary(self) -> dict:
-        return {"mode": self.mode.value, "shared": self.shared, "others_cores": round(self.others, 3),
+        return {"mode": self.mode.value, "sharing": self.sharing.value, "others_cores": round(self.others, 3),
                 "switches": self.switches}
 
 

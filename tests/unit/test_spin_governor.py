@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from pdserve.engine.spin_governor import (CPU_BOUND, RETRY_S, SUSPECT, WINDOW_S, CoreUse, SpinGovernor, SpinMode,
+from pdserve.engine.spin_governor import (RETRY_S, SUSPECT, WINDOW_S, CoreUse, Sharing, SpinGovernor, SpinMode,
                                           governor_for, spins)
 
 
@@ -49,54 +49,68 @@ def test_idle_parks_the_team_and_work_brings_it_back():
     assert f.calls[-1] == ("threads", 2) and g.mode is SpinMode.TEAM and g.switches == 2
 
 
-def test_a_cpu_bound_neighbour_keeps_it_solo_until_it_leaves():
+def test_a_neighbour_whose_use_grows_into_the_freed_core_keeps_it_solo():
     f = Fake()
     g = f.governor()
     f.advance(others_cores=0.6, ours_cores=1.4)  # spinning, someone takes 0.6 of a core
     g.before_step()
-    assert g.mode is SpinMode.SOLO and g.testing and g.others == pytest.approx(0.6)
-    for _ in range(3):  # solo, it takes the freed core whole: CPU-bound, stay solo
+    assert g.mode is SpinMode.SOLO and g.sharing is Sharing.TESTING and g.others == pytest.approx(0.6)
+    f.advance(others_cores=1.0, ours_cores=1.0)  # solo, it takes the freed core whole
+    g.before_step()
+    assert g.mode is SpinMode.SOLO and g.sharing is Sharing.SHARED
+    t_found = f.t
+    while f.t + WINDOW_S < t_found + RETRY_S:  # solo until the next test
         f.advance(others_cores=1.0, ours_cores=1.0)
         g.before_step()
-        assert g.mode is SpinMode.SOLO and g.shared and not g.testing
-    f.advance(others_cores=0.05, ours_cores=1.0)  # gone
+        assert g.mode is SpinMode.SOLO
+    f.advance(others_cores=1.0, ours_cores=1.0)
+    f.advance(others_cores=1.0, ours_cores=1.0)
     g.before_step()
-    assert g.mode is SpinMode.TEAM and not g.shared
-    f.advance(others_cores=0.7)  # back: tested again at once (the last test did find it)
+    assert g.mode is SpinMode.TEAM  # a team window: is it still there?
+    f.advance(others_cores=0.67, ours_cores=1.33)
     g.before_step()
-    assert g.mode is SpinMode.SOLO and g.testing
+    assert g.sharing is Sharing.TESTING  # yes: tested at once
+    f.advance(others_cores=0.02, ours_cores=1.0)  # it left during the test
+    g.before_step()
+    assert g.mode is SpinMode.TEAM and g.sharing is Sharing.ALONE
 
 
-def test_a_bursty_neighbour_is_tested_then_left_to_the_spinning_team_for_a_while():
+def test_a_neighbour_that_follows_our_rate_leaves_the_team_spinning():
     f = Fake()
     g = f.governor()
     f.advance(others_cores=0.5)  # a load generator's share: suspect
     g.before_step()
-    assert g.mode is SpinMode.SOLO and g.testing
-    f.advance(others_cores=0.5, ours_cores=1.0)  # solo, it still wants only half a core
+    assert g.mode is SpinMode.SOLO and g.sharing is Sharing.TESTING
+    f.advance(others_cores=0.45, ours_cores=1.0)  # solo, its use does not grow
     g.before_step()
-    assert g.mode is SpinMode.TEAM and not g.shared
-    t_failed = f.t
-    while f.t < t_failed + RETRY_S - WINDOW_S:  # no new test before RETRY_S
+    assert g.mode is SpinMode.TEAM and g.sharing is Sharing.ALONE
+    t_tested = f.t
+    while f.t + WINDOW_S < t_tested + RETRY_S:  # no new test before RETRY_S
         f.advance(others_cores=0.5)
         g.before_step()
         assert g.mode is SpinMode.TEAM
     f.advance(others_cores=0.5)
     f.advance(others_cores=0.5)
     g.before_step()
-    assert g.mode is SpinMode.SOLO and g.testing
+    assert g.sharing is Sharing.TESTING
 
 
-def test_below_suspect_nothing_is_tested():
+def test_below_suspect_nothing_is_tested_and_idle_windows_do_not_start_a_test():
     f = Fake()
     g = f.governor()
     for _ in range(20):
         f.advance(others_cores=SUSPECT * 0.9)
         g.before_step()
         assert g.mode is SpinMode.TEAM
-    f.advance(others_cores=CPU_BOUND)
+    g.idle()  # parked for most of the next window: its reading is not the team's
+    f.advance(others_cores=1.0, ours_cores=0.0, s=WINDOW_S * 0.8)
     g.before_step()
-    assert g.mode is SpinMode.SOLO
+    f.advance(others_cores=1.0, ours_cores=1.0, s=WINDOW_S * 0.3)
+    g.before_step()
+    assert g.sharing is Sharing.ALONE and g.mode is SpinMode.TEAM
+    f.advance(others_cores=1.0, ours_cores=1.0)  # a whole team window beside it
+    g.before_step()
+    assert g.sharing is Sharing.TESTING
 
 
 def test_no_reading_inside_a_window():
