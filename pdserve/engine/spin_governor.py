@@ -30,8 +30,9 @@ SUSPECT = 0.25  # other processes' cores of time on our cores, with the team spi
 # rate and does not, and the spinning team is faster beside them: solo lost 39% at 32
 # concurrent requests beside a benchmark client)
 GROWTH = 1.25  # their use solo over their use beside the team that marks one CPU-bound
-MIN_SOLO_OTHERS = 0.5  # ... and at least this many cores of it
-RETRY_S = 5.0  # the next test after one (either way): a neighbour may come or go
+MIN_SOLO_OTHERS = 0.9  # ... and at least this many cores of it (the freed core nearly whole)
+RETRY_S = 5.0  # the next test after one: a neighbour may come or go
+MAX_RETRY_S = 40.0  # tests that find nothing double the wait, up to this
 
 
 class SpinMode(str, enum.Enum):
@@ -100,6 +101,7 @@ class SpinGovernor:
         self.sharing = Sharing.ALONE
         self.team_others = 0.0  # the others' use in the last team window before a test
         self.next_test = 0.0
+        self.retry_s = RETRY_S
         self.switches = 0
         self.others = 0.0  # cores' worth of other processes' time in the last window
         self._last_t, self._last = clock(), read_use(cpus)
@@ -127,7 +129,8 @@ class SpinGovernor:
                 self._move(Sharing.TESTING)
         elif self.sharing is Sharing.TESTING:
             grew = self.others >= max(MIN_SOLO_OTHERS, GROWTH * self.team_others)
-            self.next_test = now + RETRY_S
+            self.retry_s = RETRY_S if grew else min(MAX_RETRY_S, self.retry_s * 2)
+            self.next_test = now + (RETRY_S if grew else self.retry_s)
             self._move(Sharing.SHARED if grew else Sharing.ALONE)
         elif now >= self.next_test:  # SHARED: a team window, whose reading decides what next
             self.next_test = now

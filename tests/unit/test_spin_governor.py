@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from pdserve.engine.spin_governor import (RETRY_S, SUSPECT, WINDOW_S, CoreUse, Sharing, SpinGovernor, SpinMode,
+from pdserve.engine.spin_governor import (MAX_RETRY_S, RETRY_S, SUSPECT, WINDOW_S, CoreUse, Sharing, SpinGovernor, SpinMode,
                                           governor_for, spins)
 
 
@@ -84,15 +84,19 @@ def test_a_neighbour_that_follows_our_rate_leaves_the_team_spinning():
     f.advance(others_cores=0.45, ours_cores=1.0)  # solo, its use does not grow
     g.before_step()
     assert g.mode is SpinMode.TEAM and g.sharing is Sharing.ALONE
-    t_tested = f.t
-    while f.t + WINDOW_S < t_tested + RETRY_S:  # no new test before RETRY_S
+    for wait in (2 * RETRY_S, 4 * RETRY_S, MAX_RETRY_S, MAX_RETRY_S):  # each finding nothing doubles the wait
+        t_tested = f.t
+        while f.t + WINDOW_S < t_tested + wait:
+            f.advance(others_cores=0.5)
+            g.before_step()
+            assert g.mode is SpinMode.TEAM
+        f.advance(others_cores=0.5)
         f.advance(others_cores=0.5)
         g.before_step()
-        assert g.mode is SpinMode.TEAM
-    f.advance(others_cores=0.5)
-    f.advance(others_cores=0.5)
-    g.before_step()
-    assert g.sharing is Sharing.TESTING
+        assert g.sharing is Sharing.TESTING
+        f.advance(others_cores=0.7, ours_cores=1.0)  # grows, but not to most of a core
+        g.before_step()
+        assert g.sharing is Sharing.ALONE
 
 
 def test_below_suspect_nothing_is_tested_and_idle_windows_do_not_start_a_test():
