@@ -33,6 +33,7 @@ GROWTH = 1.25  # their use solo over their use beside the team that marks one CP
 MIN_SOLO_OTHERS = 0.9  # ... and at least this many cores of it (the freed core nearly whole)
 RETRY_S = 5.0  # the next test after one: a neighbour may come or go
 MAX_RETRY_S = 40.0  # tests that find nothing double the wait, up to this
+LEAVE_SOLO_OTHERS = 0.5  # other processes' cores of time, with us solo, under which it left
 
 
 class SpinMode(str, enum.Enum):
@@ -51,7 +52,7 @@ class Sharing(str, enum.Enum):
 MOVES = {
     Sharing.ALONE: {Sharing.TESTING},
     Sharing.TESTING: {Sharing.ALONE, Sharing.SHARED},
-    Sharing.SHARED: {Sharing.ALONE},  # a team window, then tested again if still suspect
+    Sharing.SHARED: {Sharing.ALONE},  # when their use, beside us solo, falls
 }
 
 
@@ -130,11 +131,10 @@ class SpinGovernor:
         elif self.sharing is Sharing.TESTING:
             grew = self.others >= max(MIN_SOLO_OTHERS, GROWTH * self.team_others)
             self.retry_s = RETRY_S if grew else min(MAX_RETRY_S, self.retry_s * 2)
-            self.next_test = now + (RETRY_S if grew else self.retry_s)
+            self.next_test = now + self.retry_s
             self._move(Sharing.SHARED if grew else Sharing.ALONE)
-        elif now >= self.next_test:  # SHARED: a team window, whose reading decides what next
-            self.next_test = now
-            self._move(Sharing.ALONE)
+        elif self.others < LEAVE_SOLO_OTHERS:  # SHARED, solo: it left (a team window beside
+            self._move(Sharing.ALONE)  # it would cost a step many times its time to find out)
 
     def _move(self, to: Sharing) -> None:
         if to not in MOVES[self.sharing]:
