@@ -10,7 +10,8 @@ boundaries, between TEAM (all threads, the worker's spinning waits) and SOLO: on
 cores + 1 threads puts the team's threads to sleep, then one thread does the work (the same
 VM, beside one busy process: 67 tok/s single-stream and a 1024-token prefill in 829 ms, against
 25 tok/s and 1292 ms for the spinning team). SOLO while idle and while a CPU-bound process
-shares our cores (found by a test: its use grows when we free a core); TEAM otherwise.
+shares our cores (our threads then wait a whole time slice each time they are preempted);
+TEAM otherwise.
 """
 
 from __future__ import annotations
@@ -24,16 +25,16 @@ from typing import Callable
 from ..core.wait_policy import governed
 
 WINDOW_S = 0.5  # how often the cores' use is read (at a step boundary)
-SUSPECT = 0.25  # other processes' cores of time on our cores, with the team spinning, that makes
-# us test for a CPU-bound one: run solo for a window and see whether their use grows into the
-# freed core (a CPU-bound process's does; a load generator's or the front's follows our token
-# rate and does not, and the spinning team is faster beside them: solo lost 39% at 32
-# concurrent requests beside a benchmark client)
-GROWTH = 1.25  # their use solo over their use beside the team that marks one CPU-bound
-MIN_SOLO_OTHERS = 0.9  # ... and at least this many cores of it (the freed core nearly whole)
-RETRY_S = 5.0  # the next test after one: a neighbour may come or go
-MAX_RETRY_S = 40.0  # tests that find nothing double the wait, up to this
+# A CPU-bound neighbour is told from a load generator or our own front, which also take a share
+# of the cores but in short bursts (and beside which the spinning team is faster: solo lost 39%
+# at 32 concurrent requests beside a benchmark client), by how long our threads wait for a core
+# each time they are put back to run: a whole time slice beside a process that never sleeps.
+SUSPECT = 0.25  # other processes' cores of time on our cores, with the team spinning ...
+LONG_WAIT_MS = 1.5  # ... and our threads' mean wait per run: a CPU-bound neighbour (measured on a
+# Zen 5 VM, decoding: 3.8 ms beside a busy loop, 0.8 beside a process with 0.8 ms bursts, 0.2 alone)
 LEAVE_SOLO_OTHERS = 0.5  # other processes' cores of time, with us solo, under which it left
+RECHECK_S = 5.0  # solo beside it, a team window after this long (it may have left while ...
+MAX_RECHECK_S = 40.0  # ... using less than LEAVE_SOLO_OTHERS), doubling while it is found again
 
 
 class SpinMode(str, enum.Enum):
@@ -43,16 +44,14 @@ class SpinMode(str, enum.Enum):
 
 class Sharing(str, enum.Enum):
     """What the governor believes about the cores; working mode: TEAM when ALONE, else SOLO."""
-    ALONE = "alone"  # no CPU-bound neighbour found (or none tested yet)
-    TESTING = "testing"  # solo for one window to see whether the others' use grows
-    SHARED = "shared"  # a CPU-bound neighbour found: solo until the next test
+    ALONE = "alone"  # no CPU-bound neighbour seen
+    SHARED = "shared"  # one seen: solo until it leaves, or until a recheck
 
 
 # the moves _observe makes (it checks each against this table)
 MOVES = {
-    Sharing.ALONE: {Sharing.TESTING},
-    Sharing.TESTING: {Sharing.ALONE, Sharing.SHARED},
-    Sharing.SHARED: {Sharing.ALONE},  # when their use, beside us solo, falls
+    Sharing.ALONE: {Sharing.SHARED},
+    Sharing.SHARED: {Sharing.ALONE},
 }
 
 
@@ -67,9 +66,12 @@ def spins(env: dict[str, str] | os._Environ) -> bool:
 
 @dataclass
 class CoreUse:
-    """Cumulative CPU seconds: on our cores by anyone (steal excluded), and by this process."""
+    """Cumulative: CPU seconds on our cores by anyone (steal excluded) and by this process; our
+    threads' seconds waiting for a core, and how many times they were put on one."""
     cores_busy: float
     ours: float
+    waited: float = 0.0
+    runs: int = 0
 
 
 def read_core_use(cpus: list[int]) -> CoreUse:
@@ -83,8 +85,16 @@ def read_core_use(cpus: list[int]) -> CoreUse:
             if parts and parts[0] in want:
                 user, nice, system, _idle, _iowait, irq, softirq = map(int, parts[1:8])
                 busy += user + nice + system + irq + softirq
+    waited = runs = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/schedstat") as f:
+                _, w, n = map(int, f.read().split()[:3])
+        except (OSError, ValueError):
+            continue  # a thread that just ended, or no schedstats in this kernel
+        waited, runs = waited + w, runs + n
     t = os.times()
-    return CoreUse(busy / tick, t.user + t.system)
+    return CoreUse(busy / tick, t.user + t.system, waited / 1e9, runs)
 
 
 class SpinGovernor:
@@ -100,13 +110,15 @@ class SpinGovernor:
         self.set_threads, self.wake_team, self.read_use, self.clock = set_threads, wake_team, read_use, clock
         self.mode = SpinMode.TEAM
         self.sharing = Sharing.ALONE
-        self.team_others = 0.0  # the others' use in the last team window before a test
-        self.next_test = 0.0
-        self.retry_s = RETRY_S
+        self.recheck_s = RECHECK_S
+        self.recheck_at = 0.0
+        self.rechecking = False  # back in the team only to see whether the neighbour is still there
+        self.wait_ms = 0.0  # our threads' mean wait per run in the last window
         self.switches = 0
         self.others = 0.0  # cores' worth of other processes' time in the last window
         self._last_t, self._last = clock(), read_use(cpus)
         self._team_s, self._mode_t = 0.0, self._last_t  # time in TEAM this window; last switch
+        self._last_waited, self._last_runs = self._last.waited, self._last.runs
 
     def before_step(self) -> None:
         now = self.clock()
@@ -123,18 +135,22 @@ class SpinGovernor:
         self.others = max(0.0, (use.cores_busy - self._last.cores_busy) - (use.ours - self._last.ours)) / wall
         team_share = self._team_time(now) / wall
         self._last_t, self._last, self._team_s, self._mode_t = now, use, 0.0, now
+        runs = use.runs - self._last_runs
+        self.wait_ms = max(0.0, use.waited - self._last_waited) / runs * 1e3 if runs > 0 else 0.0
+        self._last_waited, self._last_runs = use.waited, use.runs
         if self.sharing is Sharing.ALONE:
             # a window mostly parked for idleness says nothing of a neighbour beside the team
-            if self.others >= SUSPECT and now >= self.next_test and team_share >= 0.5:
-                self.team_others = self.others
-                self._move(Sharing.TESTING)
-        elif self.sharing is Sharing.TESTING:
-            grew = self.others >= max(MIN_SOLO_OTHERS, GROWTH * self.team_others)
-            self.retry_s = RETRY_S if grew else min(MAX_RETRY_S, self.retry_s * 2)
-            self.next_test = now + self.retry_s
-            self._move(Sharing.SHARED if grew else Sharing.ALONE)
-        elif self.others < LEAVE_SOLO_OTHERS:  # SHARED, solo: it left (a team window beside
-            self._move(Sharing.ALONE)  # it would cost a step many times its time to find out)
+            if team_share < 0.5:
+                return
+            if self.others >= SUSPECT and self.wait_ms >= LONG_WAIT_MS:
+                # found again by a recheck: it never left, so recheck less often
+                self.recheck_s = min(MAX_RECHECK_S, self.recheck_s * 2) if self.rechecking else RECHECK_S
+                self.recheck_at = now + self.recheck_s
+                self._move(Sharing.SHARED)
+            self.rechecking = False
+        elif self.others < LEAVE_SOLO_OTHERS or now >= self.recheck_at:
+            self.rechecking = self.others >= LEAVE_SOLO_OTHERS
+            self._move(Sharing.ALONE)
 
     def _move(self, to: Sharing) -> None:
         if to not in MOVES[self.sharing]:
@@ -160,6 +176,7 @@ class SpinGovernor:
 
     def summary(self) -> dict:
         return {"mode": self.mode.value, "sharing": self.sharing.value, "others_cores": round(self.others, 3),
+                "wait_per_run_ms": round(self.wait_ms, 3),
                 "switches": self.switches}
 
 

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from pdserve.engine.spin_governor import (LEAVE_SOLO_OTHERS, MAX_RETRY_S, RETRY_S, SUSPECT, WINDOW_S, CoreUse, Sharing, SpinGovernor, SpinMode,
-                                          governor_for, spins)
+from pdserve.engine.spin_governor import (LEAVE_SOLO_OTHERS, MAX_RECHECK_S, RECHECK_S, SUSPECT, WINDOW_S, CoreUse,
+                                          Sharing, SpinGovernor, SpinMode, governor_for, spins)
 
 
 class Fake:
@@ -21,17 +21,27 @@ class Fake:
         self.t = 0.0
         self.busy = 0.0  # cores' busy seconds, cumulative
         self.ours = 0.0
+        self.waited = 0.0
+        self.runs = 0
         self.calls: list = []
 
-    def advance(self, others_cores: float, ours_cores: float = 2.0, s: float = WINDOW_S):
+    def advance(self, others_cores: float, ours_cores: float = 2.0, s: float = WINDOW_S, wait_ms: float = 0.01,
+                runs_per_s: int = 2000):
         self.t += s
         self.ours += ours_cores * s
         self.busy += (ours_cores + others_cores) * s
+        runs = int(runs_per_s * s)
+        self.runs += runs
+        self.waited += runs * wait_ms / 1e3
 
     def governor(self, threads=2, cpus=(0, 1)) -> SpinGovernor:
         return SpinGovernor(threads, list(cpus), lambda n: self.calls.append(("threads", n)),
-                            lambda: self.calls.append(("region",)), lambda c: CoreUse(self.busy, self.ours),
-                            lambda: self.t)
+                            lambda: self.calls.append(("region",)),
+                            lambda c: CoreUse(self.busy, self.ours, self.waited, self.runs), lambda: self.t)
+
+
+HOG = dict(others_cores=0.67, ours_cores=1.33, wait_ms=3.0)  # beside the team: a slice per preemption
+HOG_SOLO = dict(others_cores=1.0, ours_cores=1.0, wait_ms=0.02)  # each on its own core
 
 
 def test_idle_parks_the_team_and_work_brings_it_back():
@@ -49,74 +59,75 @@ def test_idle_parks_the_team_and_work_brings_it_back():
     assert f.calls[-1] == ("threads", 2) and g.mode is SpinMode.TEAM and g.switches == 2
 
 
-def test_a_neighbour_whose_use_grows_into_the_freed_core_keeps_it_solo():
+def test_a_cpu_bound_neighbour_makes_it_solo_and_rechecks_back_off_while_it_stays():
     f = Fake()
     g = f.governor()
-    f.advance(others_cores=0.6, ours_cores=1.4)  # spinning, someone takes 0.6 of a core
+    f.advance(**HOG)
     g.before_step()
-    assert g.mode is SpinMode.SOLO and g.sharing is Sharing.TESTING and g.others == pytest.approx(0.6)
-    f.advance(others_cores=1.0, ours_cores=1.0)  # solo, it takes the freed core whole
-    g.before_step()
-    assert g.mode is SpinMode.SOLO and g.sharing is Sharing.SHARED
-    for _ in range(30):  # solo while it takes its core, with no team window to check
-        f.advance(others_cores=1.0, ours_cores=1.0)
+    assert g.mode is SpinMode.SOLO and g.sharing is Sharing.SHARED and g.wait_ms == pytest.approx(3.0)
+    for recheck in (RECHECK_S, 2 * RECHECK_S, 4 * RECHECK_S, MAX_RECHECK_S, MAX_RECHECK_S):
+        t_found = f.t
+        while f.t + WINDOW_S < t_found + recheck:  # solo beside it, no team window
+            f.advance(**HOG_SOLO)
+            g.before_step()
+            assert g.mode is SpinMode.SOLO
+        f.advance(**HOG_SOLO)
+        f.advance(**HOG_SOLO)
         g.before_step()
-        assert g.mode is SpinMode.SOLO
+        assert g.mode is SpinMode.TEAM and g.rechecking  # one team window: still there?
+        f.advance(**HOG)
+        g.before_step()
+        assert g.mode is SpinMode.SOLO  # yes
+
+
+def test_solo_sees_it_leave_and_the_team_comes_back_at_once():
+    f = Fake()
+    g = f.governor()
+    f.advance(**HOG)
+    g.before_step()
+    f.advance(**HOG_SOLO)
+    g.before_step()
+    assert g.mode is SpinMode.SOLO
     f.advance(others_cores=LEAVE_SOLO_OTHERS * 0.8, ours_cores=1.0)  # it left
     g.before_step()
-    assert g.mode is SpinMode.TEAM and g.sharing is Sharing.ALONE
-    f.advance(others_cores=0.67, ours_cores=1.33)  # back: tested at once (the last test found it)
+    assert g.mode is SpinMode.TEAM and g.sharing is Sharing.ALONE and not g.rechecking
+    f.advance(**HOG)  # a new one: found at once, and rechecked after RECHECK_S again
     g.before_step()
-    assert g.sharing is Sharing.TESTING
+    assert g.mode is SpinMode.SOLO and g.recheck_s == RECHECK_S
 
 
-def test_a_neighbour_that_follows_our_rate_leaves_the_team_spinning():
+def test_a_bursty_neighbour_leaves_the_team_spinning():
     f = Fake()
     g = f.governor()
-    f.advance(others_cores=0.5)  # a load generator's share: suspect
-    g.before_step()
-    assert g.mode is SpinMode.SOLO and g.sharing is Sharing.TESTING
-    f.advance(others_cores=0.45, ours_cores=1.0)  # solo, its use does not grow
-    g.before_step()
-    assert g.mode is SpinMode.TEAM and g.sharing is Sharing.ALONE
-    for wait in (2 * RETRY_S, 4 * RETRY_S, MAX_RETRY_S, MAX_RETRY_S):  # each finding nothing doubles the wait
-        t_tested = f.t
-        while f.t + WINDOW_S < t_tested + wait:
-            f.advance(others_cores=0.5)
-            g.before_step()
-            assert g.mode is SpinMode.TEAM
-        f.advance(others_cores=0.5)
-        f.advance(others_cores=0.5)
+    for _ in range(20):  # a load generator: half a core, but it sleeps often, so our waits are short
+        f.advance(others_cores=0.6, ours_cores=1.4, wait_ms=0.15)
         g.before_step()
-        assert g.sharing is Sharing.TESTING
-        f.advance(others_cores=0.7, ours_cores=1.0)  # grows, but not to most of a core
-        g.before_step()
-        assert g.sharing is Sharing.ALONE
+        assert g.mode is SpinMode.TEAM
 
 
-def test_below_suspect_nothing_is_tested_and_idle_windows_do_not_start_a_test():
+def test_below_suspect_nothing_happens_and_idle_windows_are_not_read():
     f = Fake()
     g = f.governor()
     for _ in range(20):
-        f.advance(others_cores=SUSPECT * 0.9)
+        f.advance(others_cores=SUSPECT * 0.9, wait_ms=5.0)
         g.before_step()
         assert g.mode is SpinMode.TEAM
     g.idle()  # parked for most of the next window: its reading is not the team's
-    f.advance(others_cores=1.0, ours_cores=0.0, s=WINDOW_S * 0.8)
+    f.advance(others_cores=1.0, ours_cores=0.0, s=WINDOW_S * 0.8, wait_ms=5.0)
     g.before_step()
-    f.advance(others_cores=1.0, ours_cores=1.0, s=WINDOW_S * 0.3)
+    f.advance(others_cores=1.0, ours_cores=1.0, s=WINDOW_S * 0.3, wait_ms=5.0)
     g.before_step()
     assert g.sharing is Sharing.ALONE and g.mode is SpinMode.TEAM
-    f.advance(others_cores=1.0, ours_cores=1.0)  # a whole team window beside it
+    f.advance(**HOG)  # a whole team window beside it
     g.before_step()
-    assert g.sharing is Sharing.TESTING
+    assert g.sharing is Sharing.SHARED
 
 
 def test_no_reading_inside_a_window():
     f = Fake()
     reads = []
     g = SpinGovernor(2, [0, 1], lambda n: None, lambda: None,
-                     lambda c: reads.append(1) or CoreUse(f.busy, f.ours), lambda: f.t)
+                     lambda c: reads.append(1) or CoreUse(f.busy, f.ours, f.waited, f.runs), lambda: f.t)
     f.t += WINDOW_S / 3
     g.before_step()
     g.before_step()
