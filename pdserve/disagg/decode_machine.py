@@ -98,7 +98,7 @@ from ..core.failures import FailureCause
 from ..core.timeline import Stage, transfer_stages
 from . import wire
 from .handoff import Handoff, HandoffDone, HandoffState, IllegalTransition, Side
-from .rank_resolver import Resolved
+from .resolution import Resolved
 
 H = HandoffState
 

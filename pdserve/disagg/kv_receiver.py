@@ -41,7 +41,7 @@ from .decode_machine import (Abort, Accept, CancelResolve, DecodeHandoffs, Decod
                              PeerAlive, PeerGone, RankResolved, Received, Release, Report, Reservation,
                              Reserve, Resolve, SendAbort, SendKvReq, Tick)
 from .handoff import HandoffDone
-from .rank_resolver import Resolved
+from .resolution import Resolved
 
 __all__ = ["DecodeReceiver", "DecodeRoom", "Reservation"]
 log = logging.getLogger(__name__)

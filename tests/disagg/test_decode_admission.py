@@ -10,7 +10,7 @@ from pdserve.disagg.bootstrap_table import RankInfo
 from pdserve.disagg.decode_machine import (Accept, CancelResolve, DecodeHandoffs, DecodeState, GiveUp,
                                            HandoffQueue, PagesReserved, RankResolved, Report, Reservation,
                                            Reserve, Resolve, SendAbort, SendKvReq, Tick)
-from pdserve.disagg.rank_resolver import Resolved
+from pdserve.disagg.resolution import Resolved
 
 D = DecodeState
 ADDR = "10.0.0.1:8998"

@@ -15,7 +15,7 @@ from pdserve.disagg.decode_machine import (DECODE_TRANSITIONS, Abort, Accept, Ca
                                            PagesReserved, PeerAlive, PeerGone, RankResolved, Received, Release,
                                            Report, Reservation, Reserve, Resolve, SendAbort, SendKvReq, Tick)
 from pdserve.disagg.handoff import TRANSITIONS, HandoffDone, HandoffState, IllegalTransition, Side
-from pdserve.disagg.rank_resolver import Resolved
+from pdserve.disagg.resolution import Resolved
 
 D, H = DecodeState, HandoffState
 ADDR, ADDR_B = "10.0.0.1:8998", "10.0.0.9:8998"
