@@ -16,9 +16,9 @@ endpoint. `on_alive(addr, instance)` from the heartbeat fails the rooms resolved
 instance of that prefill (it restarted and lost them); rooms still resolving are left to their
 resolution, which sees the new instance.
 
-Every decision is the machine's (decode_machine.py: room states, transition table, texts); this
-driver only turns calls, messages and background results into its events, stamped with the
-monotonic time, and carries out its effects. Events from other threads (resolver, send jobs,
+Every decision is the machine's (decode_machine.py and its parts: room states, transition table,
+texts); this driver only turns calls, messages and background results into its events, stamped
+with the monotonic time, and carries out its effects. Events from other threads (resolver, send jobs,
 heartbeat) wait in `events` until poll() steps them on the loop thread, so every state change
 happens there; sends and /fail_room calls run on `pool`.
 """
@@ -36,14 +36,16 @@ from typing import Callable
 from ..core.errors import PDServeError
 from ..transfer.base import TransferBackend, TransferError
 from . import wire
-from .decode_machine import (Abort, Accept, CancelResolve, DecodeHandoffs, DecodeRoom, DecodeState, Effect,
-                             Event, GiveUp, HandoffQueue, Invalidate, KvReqSent, Log, Malformed, PagesReserved,
-                             PeerAlive, PeerGone, RankResolved, Received, Release, Report, Reservation,
-                             Reserve, Resolve, SendAbort, SendKvReq, Tick)
+from .decode_admission import HandoffQueue
+from .decode_events import (Abort, CancelResolve, DecodeAccept, DecodeEffect, DecodeReport, FromPrefill, GiveUp,
+                            Invalidate, KvReqSent, Log, Malformed, PagesReserved, PeerAlive, PeerGone, RankResolved,
+                            Release, Reservation, Reserve, Resolve, SendAbort, SendKvReq)
+from .decode_machine import DecodeHandoffs
+from .decode_rooms import DecodeRoom, DecodeState
 from .handoff import HandoffDone
+from .machine_events import Event, Tick
 from .resolution import Resolved
 
-__all__ = ["DecodeReceiver", "DecodeRoom", "Reservation"]
 log = logging.getLogger(__name__)
 
 
@@ -120,7 +122,7 @@ class DecodeReceiver:
     def accept(self, room: int, rid: str, addr: str, prompt_len: int, hint: int | None) -> None:
         with self._addrs_lock:
             self._addrs[addr] = self._addrs.get(addr, 0) + 1
-        self._step(Accept(room, rid, addr, prompt_len, hint, now=time.monotonic()))
+        self._step(DecodeAccept(room, rid, addr, prompt_len, hint, now=time.monotonic()))
 
     def on_message(self, sender: dict, raw: dict) -> None:
         if not isinstance(raw, dict) or raw.get("room") not in self.rooms:
@@ -130,7 +132,7 @@ class DecodeReceiver:
             msg = wire.from_wire(raw)
         except wire.BadMessage as e:
             return self._step(Malformed(raw["room"], raw.get("t"), str(e), now=now))
-        self._step(Received(msg, now=now))
+        self._step(FromPrefill(msg, now=now))
 
     def abort(self, room: int, reason: str) -> None:
         self._step(Abort(room, reason, now=time.monotonic()))
@@ -151,7 +153,7 @@ class DecodeReceiver:
     def _step(self, ev: Event) -> None:
         self._apply(self.machine.step(ev), ev.now)
 
-    def _apply(self, effects: list[Effect], now: float) -> None:
+    def _apply(self, effects: list[DecodeEffect], now: float) -> None:
         for e in effects:
             if isinstance(e, Resolve):
                 self.resolve(e.addr, e.room, e.hint)
@@ -169,7 +171,7 @@ class DecodeReceiver:
                 self.invalidate(e.addr)
             elif isinstance(e, Log):
                 log.log(e.level, "%s", e.message, extra={"room": e.room})
-            elif isinstance(e, Report):
+            elif isinstance(e, DecodeReport):
                 self._finished.append(e.done)
                 if e.held:  # still watched: the heartbeat's word on its prefill can release it
                     self._held.add(e.done.room)

@@ -13,7 +13,7 @@ from pdserve.disagg.bootstrap_client import BootstrapClient, Health
 from pdserve.disagg.prefill_peers import PrefillPeers
 from pdserve.disagg.bootstrap_server import ThreadedBootstrap
 from pdserve.disagg.bootstrap_table import BootstrapTable, RankInfo
-from pdserve.disagg.decode_machine import DecodeState
+from pdserve.disagg.decode_rooms import DecodeState
 from pdserve.disagg.handoff import HandoffState
 from pdserve.disagg.heartbeat import Heartbeat
 from pdserve.disagg.rank_resolver import RankResolver
