@@ -59,6 +59,27 @@ def test_kv_req_carries_dst_pages_and_compat_facts(link):
     link.wait_decode_state(ROOM, S.WAITING_FOR_INPUT)
 
 
+def test_pages_are_reserved_between_two_steps_not_inside_one(link):
+    """A Reserve is a round trip: the reserve function runs after the step that asked returned,
+    and its answer is the next step (no machine step is ever nested in another)."""
+    machine, depth, seen = link.receiver.machine, [0], []
+    step = machine.step
+
+    def counted(ev):
+        depth[0] += 1
+        try:
+            return step(ev)
+        finally:
+            depth[0] -= 1
+
+    machine.step = counted
+    pool = link.receiver.reserve
+    link.receiver.reserve = lambda rid, n: (seen.append(depth[0]), pool(rid, n))[1]
+    link.decode_sends_req()
+    assert seen == [0] and link.pool.calls == [(f"d-{ROOM}", PROMPT)]
+    link.wait_decode_state(ROOM, S.WAITING_FOR_INPUT)
+
+
 def test_kv_done_before_the_sent_event_is_handled(link):
     """The prefill can answer before the decode loop saw its own send complete."""
     link.sender.accept(ROOM, "p-1", PROMPT)
