@@ -5,8 +5,8 @@ feeds it from the worker loop and carries out its effects; tests step it by hand
 (test_decode_machine.py). Its parts, one job each: decode_events (the events and effects),
 decode_rooms (a room's states, the transition table and what each move means),
 decode_admission (the queue of rooms waiting for pages), decode_messages (what a room tells
-its prefill and, once over, its caller). The pages are the caller's: freed at a room's DecodeReport, or for a quarantined
-room at its Release.
+its prefill and, once over, its caller). The pages are the caller's: freed at a room's
+DecodeReport, or for a quarantined room at its Release.
 
 A Tick checks every room that is not RESERVING: the deadline of a live room (`waiting_timeout`
 per handoff state: Bootstrapping = RESOLVING..SENDING, from the accept; WaitingForInput =
@@ -246,8 +246,8 @@ class DecodeHandoffs(HandoffMachine[DecodeEffect]):
         or /fail_room before a resolution."""
         detail = self.admission.refuse(r, why)
         self._fail(r, f"room {r.room}: decode dp_rank {self.dp_rank} cannot take it now: {detail}; "
-                      f"retry after {self.queue.retry_after}s or on another decode", FailureCause.NO_PAGES, now, out,
-                   tell_prefill=False)
+                      f"retry after {self.queue.retry_after}s or on another decode", FailureCause.NO_PAGES,
+                   now, out, tell_prefill=False)
         res = r.resolved
         tell = self._send_abort(r) if res is not None and res.info else GiveUp(r.addr, r.room, r.reason)
         self.admission.tell_later(now, tell)

@@ -40,8 +40,8 @@ from ..transfer.base import TransferBackend, TransferError
 from . import wire
 from .decode_admission import HandoffQueue
 from .decode_events import (Abort, CancelResolve, DecodeAccept, DecodeEffect, DecodeReport, FromPrefill, GiveUp,
-                            Invalidate, KvReqSent, Log, Malformed, PagesReserved, PeerAlive, PeerGone, RankResolved,
-                            Release, Reservation, Reserve, Resolve, SendAbort, SendKvReq)
+                            Invalidate, KvReqSent, Log, Malformed, PagesReserved, PeerAlive, PeerGone,
+                            RankResolved, Release, Reservation, Reserve, Resolve, SendAbort, SendKvReq)
 from .decode_machine import DecodeHandoffs
 from .decode_rooms import DecodeRoom, DecodeState
 from .handoff import HandoffDone

@@ -20,7 +20,8 @@ def kv_done(r: PrefillRoom, dp_rank: int) -> wire.KvDone:
     """The KvDone that follows `r`'s pages (the write fills in its facts); TypeError when the
     engine's facts lack the first token."""
     aux = r.aux or {}
-    return wire.KvDone(room=r.room, prefill_rank=dp_rank, **{k: aux[k] for k in DONE_FIELDS if aux.get(k) is not None})
+    facts = {k: aux[k] for k in DONE_FIELDS if aux.get(k) is not None}
+    return wire.KvDone(room=r.room, prefill_rank=dp_rank, **facts)
 
 
 def kv_fail(room: int, dp_rank: int, reason: str, cause: FailureCause) -> wire.KvFail:

@@ -10,9 +10,10 @@ import pytest
 
 from pdserve.disagg import wire
 from pdserve.disagg.bootstrap_table import RankInfo
-from pdserve.disagg.decode_events import (Abort, CancelResolve, DecodeAccept, DecodeReport, FromPrefill, GiveUp,
-                                          Invalidate, KvReqSent, Log, Malformed, PagesReserved, PeerAlive, PeerGone,
-                                          RankResolved, Release, Reservation, Reserve, Resolve, SendAbort, SendKvReq)
+from pdserve.disagg.decode_events import (Abort, CancelResolve, DecodeAccept, DecodeReport, FromPrefill,
+                                          GiveUp, Invalidate, KvReqSent, Log, Malformed, PagesReserved, PeerAlive,
+                                          PeerGone, RankResolved, Release, Reservation, Reserve, Resolve, SendAbort,
+                                          SendKvReq)
 from pdserve.disagg.decode_machine import DecodeHandoffs
 from pdserve.disagg.decode_rooms import DECODE_TRANSITIONS, DecodeState
 from pdserve.disagg.handoff import TRANSITIONS, HandoffDone, HandoffState, IllegalTransition, Side
@@ -205,7 +206,8 @@ def test_messages_for_unknown_rooms_are_ignored(m):
 def test_same_events_same_effects():
     def run() -> list:
         m = DecodeHandoffs(1, LOCAL, waiting_timeout=30.0)
-        evs = [DecodeAccept(ROOM, RID, ADDR, PROMPT, None, now=0.0), RankResolved(resolved(), now=1.0), Tick(now=2.0),
+        evs = [DecodeAccept(ROOM, RID, ADDR, PROMPT, None, now=0.0), RankResolved(resolved(), now=1.0),
+               Tick(now=2.0),
                PagesReserved(ROOM, got=PAGES, now=2.0, wall=200.0), KvReqSent(ROOM, 300.0, now=3.0),
                FromPrefill(DONE, now=4.0), Tick(now=5.0)]
         return [m.step(e) for e in evs]

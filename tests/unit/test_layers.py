@@ -147,8 +147,9 @@ def test_machines_and_their_parts_import_no_threads_sockets_http_or_clocks():
 
 @pytest.mark.parametrize("module", MACHINES)
 def test_machines_load_no_io_at_runtime(module):
+    io = ("httpx", "zmq", "asyncio", "socket", "requests", "aiohttp")
     code = (f"import sys, importlib; importlib.import_module({module!r}); "
-            "print(sorted(m for m in ('httpx', 'zmq', 'asyncio', 'socket', 'requests', 'aiohttp') if m in sys.modules))")
+            f"print(sorted(m for m in {io!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"{module} loads {out.stdout.strip()}"
