@@ -17,7 +17,7 @@ from pdserve.disagg.bootstrap_table import RankInfo
 from pdserve.disagg.handoff import HandoffState
 from pdserve.disagg.kv_receiver import DecodeReceiver
 from pdserve.disagg.kv_sender import PrefillSender
-from pdserve.disagg.rank_resolver import Resolved
+from pdserve.disagg.resolution import Resolved
 from pdserve.transfer.base import layout_to_dict
 from pdserve.transfer.fake import FakeBackend, FakeFabric
 

@@ -1,26 +1,28 @@
 """Decode side of the handoff: the driver of `decode_machine.DecodeHandoffs` for one decode worker.
 
-Life of a room: accept() -> resolve the prefill rank and endpoint (background) -> reserve
-pages (`reserve` callback, retried while the pool is full) -> send kv_req to that prefill
-worker -> its kv_done arrives after the pages landed -> poll() reports it finished. Any
-failure (resolution, send, kv_fail, heartbeat loss, deadline, abort) finishes the room with a
-reason naming room, ranks and cause (and a FailureCause); the caller then frees the room's pages,
-except for a room that `holds()` them: its prefill may still write them (it was unheard, or never
-answered our kv_abort), so the caller answers the client at once and frees the pages only when
-`released()` names the room (the machine's QUARANTINED state). Each room also keeps the
-wall-clock times of its stages (core.timeline) for the front. A room whose kv_req may have
-reached the prefill is only reported after the prefill answered our kv_abort (or `abort_grace`
-passed, and its pages stay quarantined).
+Life of a room: accept() -> resolve the prefill rank and endpoint (background) -> reserve pages
+(the `reserve` function, called on the loop thread, each tick while the pool is full) -> send
+kv_req to that prefill worker -> its kv_done arrives after the pages landed -> poll() reports it
+finished. Any failure (resolution, send, kv_fail, heartbeat loss, deadline, abort) finishes the
+room with a reason naming room, ranks and cause (and a FailureCause); the caller then frees the
+room's pages, except for a room that `holds()` them: its prefill may still write them (it was
+unheard, or never answered our kv_abort), so the caller answers the client at once and frees the
+pages only when `released()` names the room (the machine's QUARANTINED state). Each room also
+keeps the wall-clock times of its stages (core.timeline) for the front. A room whose kv_req may
+have reached the prefill is only reported after the prefill answered our kv_abort (or
+`abort_grace` passed, and its pages stay quarantined).
 A KvMoved (the rank we addressed forwarded our KvReq) points the room at the holder's rank and
 endpoint. `on_alive(addr, instance)` from the heartbeat fails the rooms resolved against another
 instance of that prefill (it restarted and lost them); rooms still resolving are left to their
 resolution, which sees the new instance.
 
-Every decision is the machine's (decode_machine.py: room states, transition table, texts); this
-driver only turns calls, messages and background results into its events, stamped with the
-monotonic time, and carries out its effects. Events from other threads (resolver, send jobs,
-heartbeat) wait in `events` until poll() steps them on the loop thread, so every state change
-happens there; sends and /fail_room calls run on `pool`.
+Every decision is the machine's (decode_machine.py and its parts: room states, transition table,
+texts); this driver only turns calls, messages and background results into its events, stamped
+with the monotonic time, and carries out its effects. Events from other threads (resolver, send
+jobs, heartbeat) wait in `events` until poll() steps them on the loop thread, so every state
+change happens there; sends and /fail_room calls run on `pool`. Pages are reserved on the loop
+thread too: a Reserve effect is answered by calling `reserve` and stepping its PagesReserved
+right after the step that asked (a round trip through the machine, never a nested step).
 """
 
 from __future__ import annotations
@@ -36,14 +38,16 @@ from typing import Callable
 from ..core.errors import PDServeError
 from ..transfer.base import TransferBackend, TransferError
 from . import wire
-from .decode_machine import (Abort, Accept, CancelResolve, DecodeHandoffs, DecodeRoom, DecodeState, Effect,
-                             Event, GiveUp, HandoffQueue, Invalidate, KvReqSent, Log, Malformed, PagesReserved,
-                             PeerAlive, PeerGone, RankResolved, Received, Release, Report, Reservation,
-                             Reserve, Resolve, SendAbort, SendKvReq, Tick)
+from .decode_admission import HandoffQueue
+from .decode_events import (Abort, CancelResolve, DecodeAccept, DecodeEffect, DecodeReport, FromPrefill, GiveUp,
+                            Invalidate, KvReqSent, Log, Malformed, PagesReserved, PeerAlive, PeerGone,
+                            RankResolved, Release, Reservation, Reserve, Resolve, SendAbort, SendKvReq)
+from .decode_machine import DecodeHandoffs
+from .decode_rooms import DecodeRoom, DecodeState
 from .handoff import HandoffDone
-from .rank_resolver import Resolved
+from .machine_events import Event, Tick
+from .resolution import Resolved
 
-__all__ = ["DecodeReceiver", "DecodeRoom", "Reservation"]
 log = logging.getLogger(__name__)
 
 
@@ -120,7 +124,7 @@ class DecodeReceiver:
     def accept(self, room: int, rid: str, addr: str, prompt_len: int, hint: int | None) -> None:
         with self._addrs_lock:
             self._addrs[addr] = self._addrs.get(addr, 0) + 1
-        self._step(Accept(room, rid, addr, prompt_len, hint, now=time.monotonic()))
+        self._step(DecodeAccept(room, rid, addr, prompt_len, hint, now=time.monotonic()))
 
     def on_message(self, sender: dict, raw: dict) -> None:
         if not isinstance(raw, dict) or raw.get("room") not in self.rooms:
@@ -130,7 +134,7 @@ class DecodeReceiver:
             msg = wire.from_wire(raw)
         except wire.BadMessage as e:
             return self._step(Malformed(raw["room"], raw.get("t"), str(e), now=now))
-        self._step(Received(msg, now=now))
+        self._step(FromPrefill(msg, now=now))
 
     def abort(self, room: int, reason: str) -> None:
         self._step(Abort(room, reason, now=time.monotonic()))
@@ -149,50 +153,57 @@ class DecodeReceiver:
         return out
 
     def _step(self, ev: Event) -> None:
-        self._apply(self.machine.step(ev), ev.now)
-
-    def _apply(self, effects: list[Effect], now: float) -> None:
-        for e in effects:
-            if isinstance(e, Resolve):
-                self.resolve(e.addr, e.room, e.hint)
-            elif isinstance(e, CancelResolve):
-                self.cancel_resolve(e.addr, e.room)
-            elif isinstance(e, Reserve):
-                self._reserve(e, now)
-            elif isinstance(e, SendKvReq):
-                self.pool.submit(self._send_req, e.room, e.resolved, e.req)
-            elif isinstance(e, SendAbort):
-                self._submit(self._quiet_send, e.peer, wire.to_wire(e.msg))
-            elif isinstance(e, GiveUp):
-                self._submit(self.give_up, e.addr, e.room, e.reason)
-            elif isinstance(e, Invalidate):
-                self.invalidate(e.addr)
-            elif isinstance(e, Log):
-                log.log(e.level, "%s", e.message, extra={"room": e.room})
-            elif isinstance(e, Report):
-                self._finished.append(e.done)
-                if e.held:  # still watched: the heartbeat's word on its prefill can release it
-                    self._held.add(e.done.room)
+        """Step `ev` and carry out its effects. A Reserve is a synchronous round trip: its answer
+        (PagesReserved) is stepped next, once the effects of the step that asked are all done."""
+        todo = [ev]
+        while todo:
+            ev = todo.pop(0)
+            for e in self.machine.step(ev):
+                if isinstance(e, Reserve):
+                    todo.append(self._reserve(e, ev.now))
                 else:
-                    self._unwatch(e.addr)
-            elif isinstance(e, Release):
-                log.info("decode dp_rank %d: room %d: pages out of quarantine", self.dp_rank, e.room,
-                         extra={"room": e.room})
-                self._held.discard(e.room)
-                self._released.append(e.room)
-                self._unwatch(e.addr)
-            else:  # pragma: no cover - a new effect without a handler here
-                raise TypeError(f"unknown effect {e!r}")
+                    self._apply(e)
 
-    def _reserve(self, e: Reserve, now: float) -> None:
-        """The machine asked for pages: answer at once, with the time of the tick that asked."""
+    def _apply(self, e: DecodeEffect) -> None:
+        if isinstance(e, Resolve):
+            self.resolve(e.addr, e.room, e.hint)
+        elif isinstance(e, CancelResolve):
+            self.cancel_resolve(e.addr, e.room)
+        elif isinstance(e, SendKvReq):
+            self.pool.submit(self._send_req, e.room, e.resolved, e.req)
+        elif isinstance(e, SendAbort):
+            self._submit(self._quiet_send, e.peer, wire.to_wire(e.msg))
+        elif isinstance(e, GiveUp):
+            self._submit(self.give_up, e.addr, e.room, e.reason)
+        elif isinstance(e, Invalidate):
+            self.invalidate(e.addr)
+        elif isinstance(e, Log):
+            log.log(e.level, "%s", e.message, extra={"room": e.room})
+        elif isinstance(e, DecodeReport):
+            self._finished.append(e.done)
+            if e.held:  # still watched: the heartbeat's word on its prefill can release it
+                self._held.add(e.done.room)
+            else:
+                self._unwatch(e.addr)
+        elif isinstance(e, Release):
+            log.info("decode dp_rank %d: room %d: pages out of quarantine", self.dp_rank, e.room,
+                     extra={"room": e.room})
+            self._held.discard(e.room)
+            self._released.append(e.room)
+            self._unwatch(e.addr)
+        else:  # pragma: no cover - a new effect without a handler here
+            raise TypeError(f"unknown effect {e!r}")
+
+    def _reserve(self, e: Reserve, now: float) -> PagesReserved:
+        """The machine asked for pages: the reserve function's answer, with the time of the step
+        that asked (the function raises PDServeError for a prompt the pool can never hold)."""
         try:
             got = self.reserve(e.rid, e.prompt_len)
         except PDServeError as err:
-            return self._step(PagesReserved(e.room, error=err.message, now=now, wall=time.time()))
+            return PagesReserved(e.room, error=err.message, now=now, wall=time.time())
         if got is not None and not isinstance(got, Reservation):
             got = Reservation(got)
-        self._step(PagesReserved(e.room, got=got, now=now, wall=time.time()))
+        return PagesReserved(e.room, got=got, now=now, wall=time.time())
 
     def _submit(self, fn: Callable, *args) -> None:
         try:

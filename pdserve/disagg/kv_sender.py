@@ -7,9 +7,9 @@ prefilled itself, room_routed() when the front sent a room whose home is this ra
 (room % dp_size) to another rank. poll() returns finished rooms.
 
 Every call turns into one event for the machine, stamped with the clocks, on the loop's thread;
-the machine holds all the state and decides everything (see prefill_machine for the rules: rooms
-doomed before their request, forwarding, the instance and reuse checks, when the decode hears
-kv_fail). This class only carries out its effects: sends and page writes run on a background
+the machine holds all the state and decides everything (see prefill_machine and its parts for
+the rules: rooms doomed before their request, forwarding, the instance and reuse checks, when
+the decode hears kv_fail). This class only carries out its effects: sends and page writes run on a background
 thread pool, and a write's outcome comes back through a queue that poll() feeds to the machine,
 so no state is ever touched by two threads.
 """
@@ -29,9 +29,12 @@ from ..core.log_format import fields
 from ..transfer.base import TransferBackend, TransferError, peer_name
 from . import wire
 from .handoff import HandoffDone
-from .prefill_machine import (Accept, Doomed, Drop, Early, Effect, Fail, Forwarded, MarkFailed,  # noqa: F401
-                              PrefillDone, PrefillHandoffs, PrefillRoom, Received, Report, RoomRouted, Route,
-                              Send, StartWrite, Tick, WriteFacts, WriteReturned)
+from .machine_events import Event, Tick
+from .prefill_events import (Drop, Fail, FromDecode, MarkFailed, PrefillAccept, PrefillDone, PrefillEffect,
+                             PrefillReport, RoomRouted, Send, StartWrite, WriteFacts, WriteReturned)
+from .prefill_machine import PrefillHandoffs
+from .prefill_notes import Doomed, Dropped, Early, Forwarded, Route
+from .prefill_rooms import PrefillRoom
 
 log = logging.getLogger(__name__)
 
@@ -74,24 +77,24 @@ class PrefillSender:
     @property
     def early(self) -> dict[int, Early]:
         """KvReqs that came before their request."""
-        return self.machine.early
+        return self.machine.notes.early
 
     @property
     def failed(self) -> dict[int, Doomed]:
         """Rooms that cannot succeed here (a late request or KvReq for one fails at once)."""
-        return self.machine.doomed
+        return self.machine.notes.doomed
 
     @property
-    def dropped(self):
-        return self.machine.dropped
+    def dropped(self) -> dict[int, Dropped]:
+        return self.machine.notes.dropped
 
     @property
     def routes(self) -> dict[int, Route]:
-        return self.machine.routes
+        return self.machine.notes.routes
 
     @property
     def forwarded(self) -> dict[int, Forwarded]:
-        return self.machine.forwarded
+        return self.machine.notes.forwarded
 
     # ---- events ------------------------------------------------------------------------------
     def holds(self, room: int) -> bool:
@@ -101,7 +104,7 @@ class PrefillSender:
     def accept(self, room: int, rid: str, prompt_len: int, prompt_ids: list[int] | None = None) -> None:
         """A prefill request for `room` arrived; ValueError if the room is already in progress.
         `prompt_ids` lets a decode reuse a prefix it holds (its key is checked against them)."""
-        self._step(Accept(room, rid, prompt_len, prompt_ids, **_stamp()))
+        self._step(PrefillAccept(room, rid, prompt_len, prompt_ids, **_stamp()))
 
     def prefill_done(self, room: int, pages: list[int], aux: dict) -> None:
         self._step(PrefillDone(room, pages, aux, **_stamp()))
@@ -130,7 +133,7 @@ class PrefillSender:
         except wire.BadMessage as e:
             log.warning("prefill dp_rank %d: %s from %s; ignored", self.dp_rank, e, peer_name(sender))
             return
-        self._step(Received(sender, msg, **_stamp()))
+        self._step(FromDecode(sender, msg, **_stamp()))
 
     def poll(self, now: float | None = None) -> list[HandoffDone]:
         while True:
@@ -147,11 +150,11 @@ class PrefillSender:
         return out
 
     # ---- effects -----------------------------------------------------------------------------
-    def _step(self, ev) -> None:
+    def _step(self, ev: Event) -> None:
         for effect in self.machine.step(ev):
             self._do(effect)
 
-    def _do(self, effect: Effect) -> None:
+    def _do(self, effect: PrefillEffect) -> None:
         if isinstance(effect, Send):
             try:
                 self.pool.submit(self._send_job, effect)
@@ -160,7 +163,7 @@ class PrefillSender:
                          extra={"room": effect.msg.room})
         elif isinstance(effect, StartWrite):
             self.pool.submit(self._write_job, effect)
-        elif isinstance(effect, Report):
+        elif isinstance(effect, PrefillReport):
             self.done.append(effect.done)
         else:
             raise TypeError(f"not a prefill handoff effect: {effect!r}")

@@ -13,35 +13,19 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable
 
 from ..core.errors import PDServeError
 from ..core.failures import FailureCause, rejection_cause
 from ..core.pd_vocab import MAX_QUERY_ROOMS
 from .prefill_peers import PrefillPeers
-from .bootstrap_table import RankInfo
 from .dp_rules import resolve_prefill_rank
+from .resolution import Resolved
 
 log = logging.getLogger(__name__)
 QUERY_ROUND_S = 0.005  # pause between two query rounds for one prefill server
 QUERY_IDLE_S = 1.0  # a server's query worker exits once it had nothing pending this long
 CLOSE_JOIN_S = 2.0  # close() waits at most this long, in all, for query workers
-
-
-@dataclass
-class Resolved:
-    room: int
-    addr: str
-    rank: int | None = None
-    path: str = ""
-    info: RankInfo | None = None
-    instance_id: str = ""
-    error: str | None = None
-    seconds: float = 0.0
-    cause: FailureCause = FailureCause.RESOLVE  # why it failed, when `error` is set
-    topology_at: float = 0.0  # time.time() when the topology was in hand
-    resolved_at: float = 0.0  # time.time() when the rank and its endpoint were known
 
 
 class QueryBatcher:

@@ -16,8 +16,9 @@ from ..core.logprobs import PromptLogprobs
 from ..core.messages import GenerateReq, TokenOutput
 from ..disagg.bootstrap_client import BootstrapClient, bootstrap_addr
 from ..disagg.heartbeat import Heartbeat
-from ..disagg.decode_machine import HandoffQueue
-from ..disagg.kv_receiver import DecodeReceiver, Reservation
+from ..disagg.decode_admission import HandoffQueue
+from ..disagg.decode_events import Reservation
+from ..disagg.kv_receiver import DecodeReceiver
 from ..disagg.prefill_peers import PrefillPeers
 from ..disagg.rank_resolver import RankResolver
 from .admission import GenerationReserve, PoolArithmetic

@@ -7,10 +7,13 @@ from __future__ import annotations
 import pytest
 
 from pdserve.disagg.bootstrap_table import RankInfo
-from pdserve.disagg.decode_machine import (Accept, CancelResolve, DecodeHandoffs, DecodeState, GiveUp,
-                                           HandoffQueue, PagesReserved, RankResolved, Report, Reservation,
-                                           Reserve, Resolve, SendAbort, SendKvReq, Tick)
-from pdserve.disagg.rank_resolver import Resolved
+from pdserve.disagg.decode_admission import HandoffQueue
+from pdserve.disagg.decode_events import (CancelResolve, DecodeAccept, DecodeReport, GiveUp, PagesReserved,
+                                          RankResolved, Reservation, Reserve, Resolve, SendAbort, SendKvReq)
+from pdserve.disagg.decode_machine import DecodeHandoffs
+from pdserve.disagg.decode_rooms import DecodeState
+from pdserve.disagg.machine_events import Tick
+from pdserve.disagg.resolution import Resolved
 
 D = DecodeState
 ADDR = "10.0.0.1:8998"
@@ -27,7 +30,7 @@ def machine(**queue) -> DecodeHandoffs:
 
 def resolve(m: DecodeHandoffs, room: int, now: float = 0.0) -> None:
     """Accept `room` and resolve it: it is RESERVING, asked for pages from the next tick."""
-    assert m.step(Accept(room, f"d-{room}", ADDR, PROMPT, None, now=now)) == [Resolve(ADDR, room, None)]
+    assert m.step(DecodeAccept(room, f"d-{room}", ADDR, PROMPT, None, now=now)) == [Resolve(ADDR, room, None)]
     info = RankInfo(dp_rank=0, dp_size=1, rank_ip=EP["ip"], rank_port=EP["port"], page_size=4,
                     kv_cache_dtype="float32", load_balance_method="auto", fingerprint={}, endpoint=EP,
                     transfer_backend="fake")
@@ -41,8 +44,8 @@ def reserves(effects) -> list[int]:
     return [e.room for e in effects if isinstance(e, Reserve)]
 
 
-def reports(effects) -> list[Report]:
-    return [e for e in effects if isinstance(e, Report)]
+def reports(effects) -> list[DecodeReport]:
+    return [e for e in effects if isinstance(e, DecodeReport)]
 
 
 def answer(m: DecodeHandoffs, effects, free: int, now: float) -> tuple[list[int], list]:
@@ -83,7 +86,7 @@ def test_an_accept_while_the_queue_is_full_is_refused_at_once_before_any_resolut
         resolve(m, room)
     answer(m, m.step(Tick(now=1.0)), free=0, now=1.0)
     assert m.queued() == 2
-    assert m.step(Accept(C, f"d-{C}", ADDR, PROMPT, None, now=1.5)) == [CancelResolve(ADDR, C)]
+    assert m.step(DecodeAccept(C, f"d-{C}", ADDR, PROMPT, None, now=1.5)) == [CancelResolve(ADDR, C)]
     eff = m.step(Tick(now=1.6))
     [rep] = reports(eff)  # reported (its 429) at once ...
     reason = rep.done.reason
@@ -165,7 +168,7 @@ def test_a_refusal_makes_room_for_the_next_accept():
     m = machine(max_queued=1)
     resolve(m, A)
     answer(m, m.step(Tick(now=1.0)), free=0, now=1.0)
-    assert reports(m.step(Accept(B, f"d-{B}", ADDR, PROMPT, None, now=1.5))) == []  # refused
+    assert reports(m.step(DecodeAccept(B, f"d-{B}", ADDR, PROMPT, None, now=1.5))) == []  # refused
     answer(m, m.step(Tick(now=2.0)), free=1, now=2.0)  # A admitted, B reported
     assert m.queued() == 0
     resolve(m, E, now=3.0)

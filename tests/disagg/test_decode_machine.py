@@ -10,12 +10,15 @@ import pytest
 
 from pdserve.disagg import wire
 from pdserve.disagg.bootstrap_table import RankInfo
-from pdserve.disagg.decode_machine import (DECODE_TRANSITIONS, Abort, Accept, CancelResolve, DecodeHandoffs,
-                                           DecodeState, GiveUp, Invalidate, KvReqSent, Log, Malformed,
-                                           PagesReserved, PeerAlive, PeerGone, RankResolved, Received, Release,
-                                           Report, Reservation, Reserve, Resolve, SendAbort, SendKvReq, Tick)
+from pdserve.disagg.decode_events import (Abort, CancelResolve, DecodeAccept, DecodeReport, FromPrefill,
+                                          GiveUp, Invalidate, KvReqSent, Log, Malformed, PagesReserved, PeerAlive,
+                                          PeerGone, RankResolved, Release, Reservation, Reserve, Resolve, SendAbort,
+                                          SendKvReq)
+from pdserve.disagg.decode_machine import DecodeHandoffs
+from pdserve.disagg.decode_rooms import DECODE_TRANSITIONS, DecodeState
 from pdserve.disagg.handoff import TRANSITIONS, HandoffDone, HandoffState, IllegalTransition, Side
-from pdserve.disagg.rank_resolver import Resolved
+from pdserve.disagg.machine_events import Tick
+from pdserve.disagg.resolution import Resolved
 
 D, H = DecodeState, HandoffState
 ADDR, ADDR_B = "10.0.0.1:8998", "10.0.0.9:8998"
@@ -61,8 +64,8 @@ def send_abort(reason: str, room: int = ROOM, peer: dict = P_EP) -> SendAbort:
 
 
 def fin(room: int = ROOM, ok: bool = False, reason: str = "", aux: dict | None = None,
-        stages: dict | None = None, addr: str = ADDR, held: bool = False, **meta) -> Report:
-    return Report(HandoffDone(room, f"d-{room}", ok, reason, aux,
+        stages: dict | None = None, addr: str = ADDR, held: bool = False, **meta) -> DecodeReport:
+    return DecodeReport(HandoffDone(room, f"d-{room}", ok, reason, aux,
                               {"bootstrap_room": room, "decode_dp_rank": 1, **meta}, stages or {}), addr, held)
 
 
@@ -77,7 +80,7 @@ def paged_meta(got: Reservation = PAGES, wait: float = 1.0) -> dict:
 
 # ---- driving a room to a state (accepted at 0, resolved at 1, pages at 2, sent at 3) ---------
 def accept(m: DecodeHandoffs, room: int = ROOM, addr: str = ADDR, hint: int | None = None, now: float = 0.0):
-    assert m.step(Accept(room, f"d-{room}", addr, PROMPT, hint, now=now)) == [Resolve(addr, room, hint)]
+    assert m.step(DecodeAccept(room, f"d-{room}", addr, PROMPT, hint, now=now)) == [Resolve(addr, room, hint)]
     assert m.rooms[room].state is D.RESOLVING
 
 
@@ -130,12 +133,12 @@ def test_the_table_refines_the_decode_handoff_table():
 def test_an_illegal_move_raises(m):
     accept(m)
     with pytest.raises(IllegalTransition, match="resolving -> done"):
-        m._move(m.rooms[ROOM], D.DONE, 1.0)
+        m.rooms[ROOM].move(D.DONE, 1.0)
 
 
 # ---- the happy path ---------------------------------------------------------------------------
 def test_a_room_from_accept_to_its_report(m):
-    assert m.step(Accept(ROOM, RID, ADDR, PROMPT, 1, now=0.0)) == [Resolve(ADDR, ROOM, 1)]
+    assert m.step(DecodeAccept(ROOM, RID, ADDR, PROMPT, 1, now=0.0)) == [Resolve(ADDR, ROOM, 1)]
     assert m.step(Tick(now=0.5)) == []  # nothing is reserved before the resolution
     res = resolved()
     assert m.step(RankResolved(res, now=1.0)) == []
@@ -147,7 +150,7 @@ def test_a_room_from_accept_to_its_report(m):
     assert m.step(Tick(now=2.5)) == []  # no new reservation once it has pages
     assert m.step(KvReqSent(ROOM, 300.0, now=3.0)) == []
     assert r.state is D.WAITING and r.handoff.state is H.WAITING_FOR_INPUT
-    assert m.step(Received(DONE, now=4.0)) == []
+    assert m.step(FromPrefill(DONE, now=4.0)) == []
     assert r.state is D.DONE and r.handoff.state is H.SUCCESS and r.handoff.done
     stages = {**WAITING_STAGES, "first_kv_byte": 301.0, "last_kv_byte": 301.5}
     assert m.step(Tick(now=4.5)) == [fin(ok=True, aux=msgspec.structs.asdict(DONE), stages=stages,
@@ -166,14 +169,14 @@ def test_the_handoff_view_follows_the_room(m):
     assert (h.state, h.reason, h.done) == (H.FAILED, "gone", True)  # aborting is failed for the handoff
     m.step(Tick(now=10.0))  # grace passed: reported, pages held
     assert m.rooms[ROOM].state is D.QUARANTINED and m.rooms[ROOM].handoff.state is H.FAILED
-    m.step(Received(wire.KvFail(room=ROOM, prefill_rank=0, reason="aborted"), now=11.0))
+    m.step(FromPrefill(wire.KvFail(room=ROOM, prefill_rank=0, reason="aborted"), now=11.0))
     assert m.step(Tick(now=11.0)) == [Release(ROOM, RID, ADDR)] and m.rooms == {}
 
 
 def test_kv_done_before_the_sent_event(m):
     """The prefill can answer before our own send job reported back."""
     to_sending(m)
-    assert m.step(Received(DONE, now=3.0)) == []
+    assert m.step(FromPrefill(DONE, now=3.0)) == []
     r = m.rooms[ROOM]
     assert r.state is D.DONE and r.entered[D.WAITING] == r.entered[D.DONE] == 3.0
     assert m.step(KvReqSent(ROOM, 300.0, now=3.5)) == []  # late: only its stage is kept
@@ -186,13 +189,13 @@ def test_kv_done_before_the_sent_event(m):
 @pytest.mark.parametrize("state", [D.RESOLVING, D.RESERVING])
 def test_kv_done_before_the_kv_req_is_ignored(m, state):
     DRIVE[state](m)
-    assert m.step(Received(DONE, now=1.5)) == [
+    assert m.step(FromPrefill(DONE, now=1.5)) == [
         Log(logging.WARNING, f"decode dp_rank 1: kv_done for room {ROOM} before its kv_req; ignored", ROOM)]
     assert m.rooms[ROOM].state is state
 
 
 def test_messages_for_unknown_rooms_are_ignored(m):
-    assert m.step(Received(DONE, now=0.0)) == []
+    assert m.step(FromPrefill(DONE, now=0.0)) == []
     assert m.step(Malformed(ROOM, wire.KV_DONE, "bad", now=0.0)) == []
     assert m.step(KvReqSent(ROOM, 1.0, error="x", now=1.0)) == []
     assert m.step(PagesReserved(ROOM, got=PAGES, now=1.0, wall=1.0)) == []
@@ -203,9 +206,10 @@ def test_messages_for_unknown_rooms_are_ignored(m):
 def test_same_events_same_effects():
     def run() -> list:
         m = DecodeHandoffs(1, LOCAL, waiting_timeout=30.0)
-        evs = [Accept(ROOM, RID, ADDR, PROMPT, None, now=0.0), RankResolved(resolved(), now=1.0), Tick(now=2.0),
+        evs = [DecodeAccept(ROOM, RID, ADDR, PROMPT, None, now=0.0), RankResolved(resolved(), now=1.0),
+               Tick(now=2.0),
                PagesReserved(ROOM, got=PAGES, now=2.0, wall=200.0), KvReqSent(ROOM, 300.0, now=3.0),
-               Received(DONE, now=4.0), Tick(now=5.0)]
+               FromPrefill(DONE, now=4.0), Tick(now=5.0)]
         return [m.step(e) for e in evs]
     assert run() == run()
 
@@ -254,7 +258,7 @@ def test_prealloc_wait_counts_from_the_resolution(m):
     m.step(PagesReserved(ROOM, now=2.0, wall=200.0))
     m.step(Tick(now=4.5))
     m.step(PagesReserved(ROOM, got=PAGES, now=4.5, wall=204.5))
-    m.step(Received(DONE, now=5.0))
+    m.step(FromPrefill(DONE, now=5.0))
     [f] = m.step(Tick(now=5.0))
     assert f.done.meta["prealloc_wait_s"] == 3.5 and f.done.stages["preallocation"] == 204.5
 
@@ -281,7 +285,7 @@ def test_decode_side_reuse_fields_in_the_kv_req_and_meta(m):
     got = Reservation([11, 3, 4], 1, "k-1")
     to_waiting(m, got=got)  # asserts the KvReq: dst_pages [3, 4], reused_pages 1, reused_key "k-1"
     assert kv_req(got=got).dst_pages == [3, 4]
-    m.step(Received(DONE, now=4.0))
+    m.step(FromPrefill(DONE, now=4.0))
     [f] = m.step(Tick(now=4.0))
     assert f.done.meta["kv_reused_pages"] == 1 and f.done.meta["kv_transferred_pages"] == 2
 
@@ -340,7 +344,7 @@ def test_waiting_timeout_while_waiting_counts_from_the_send(m):
     reason = timeout_reason("waiting_for_input", 0)
     assert m.step(Tick(now=33.1)) == [CancelResolve(ADDR, ROOM), send_abort(reason)]
     assert m.rooms[ROOM].state is D.ABORTING
-    assert m.step(Received(wire.KvFail(room=ROOM, prefill_rank=0, reason="aborted"), now=33.2)) == []
+    assert m.step(FromPrefill(wire.KvFail(room=ROOM, prefill_rank=0, reason="aborted"), now=33.2)) == []
     assert m.step(Tick(now=33.3)) == [fin(reason=reason, failure_cause="timeout", stages=WAITING_STAGES,
                                       **resolved_meta(), **paged_meta(), bootstrap_s=3.0, waiting_s=33.1 - 3.0)]
 
@@ -377,7 +381,7 @@ def test_a_send_error_after_the_room_failed_frees_it_at_once(m):
 def test_kv_fail_fails_the_room_with_its_reason_and_cause(m, state):
     DRIVE[state](m)
     msg = wire.KvFail(room=ROOM, prefill_rank=0, reason="prefix hash mismatch", cause="incompatible")
-    assert m.step(Received(msg, now=5.0)) == [CancelResolve(ADDR, ROOM)]  # no kv_abort: it knows
+    assert m.step(FromPrefill(msg, now=5.0)) == [CancelResolve(ADDR, ROOM)]  # no kv_abort: it knows
     r = m.rooms[ROOM]
     assert r.state is D.FAILED and r.cause.value == "incompatible"
     assert r.reason == f"room {ROOM}: prefill {ADDR} dp_rank 0 failed it: prefix hash mismatch"
@@ -404,7 +408,7 @@ def test_other_malformed_messages_are_logged_and_dropped(m):
 
 def test_kv_moved_points_the_room_at_the_holder(m):
     to_waiting(m)
-    assert m.step(Received(wire.KvMoved(room=ROOM, prefill_rank=1, endpoint=HOLDER_EP), now=3.5)) == []
+    assert m.step(FromPrefill(wire.KvMoved(room=ROOM, prefill_rank=1, endpoint=HOLDER_EP), now=3.5)) == []
     res = m.rooms[ROOM].resolved
     assert (res.rank, res.info.dp_rank, res.info.endpoint) == (1, 1, HOLDER_EP)
     assert (res.info.rank_ip, res.info.rank_port, res.path) == ("10.0.0.3", 9100, "single")
@@ -415,15 +419,15 @@ def test_kv_moved_points_the_room_at_the_holder(m):
 def test_kv_moved_before_the_resolution_or_after_failing_is_ignored(m):
     accept(m)
     moved = wire.KvMoved(room=ROOM, prefill_rank=1, endpoint=HOLDER_EP)
-    assert m.step(Received(moved, now=0.5)) == [] and m.rooms[ROOM].resolved is None
+    assert m.step(FromPrefill(moved, now=0.5)) == [] and m.rooms[ROOM].resolved is None
     m.step(RankResolved(resolved(), now=1.0))
     m.step(Abort(ROOM, "x", now=1.5))
-    assert m.step(Received(moved, now=2.0)) == [] and m.rooms[ROOM].resolved.rank == 0
+    assert m.step(FromPrefill(moved, now=2.0)) == [] and m.rooms[ROOM].resolved.rank == 0
 
 
 def test_an_answer_from_another_rank_names_the_holder(m):
     to_waiting(m)
-    assert m.step(Received(msgspec.structs.replace(DONE, prefill_rank=1), now=4.0)) == []
+    assert m.step(FromPrefill(msgspec.structs.replace(DONE, prefill_rank=1), now=4.0)) == []
     [f] = m.step(Tick(now=4.0))
     assert f.done.ok and f.done.meta["prefill_dp_rank"] == 1
 
@@ -455,7 +459,7 @@ def test_abort_with_pages_holds_them_until_the_prefill_answers(m, state, answer)
     assert m.rooms[ROOM].state is D.ABORTING
     assert m.step(Tick(now=8.0)) == []  # a write may still land
     assert m.step(Abort(ROOM, "again", now=8.5)) == []
-    assert m.step(Received(answer, now=9.0)) == []  # either answer: no write follows it
+    assert m.step(FromPrefill(answer, now=9.0)) == []  # either answer: no write follows it
     r = m.rooms[ROOM]
     assert r.state is D.FAILED and r.reason == "client went away" and r.aux is None
     [f] = m.step(Tick(now=9.0))
@@ -474,16 +478,16 @@ def test_an_unanswered_abort_tells_the_client_after_the_grace_and_keeps_the_page
             **paged_meta(), bootstrap_s=3.0, waiting_s=1.0, held=True)]
     assert m.rooms[ROOM].state is D.QUARANTINED  # a slow write may still land
     assert m.step(Tick(now=60.0)) == []
-    assert m.step(Received(DONE, now=61.0)) == []  # the write ended: no client to give it to
+    assert m.step(FromPrefill(DONE, now=61.0)) == []  # the write ended: no client to give it to
     assert m.step(Tick(now=61.0)) == [Release(ROOM, RID, ADDR)] and m.rooms == {}
 
 
 def test_abort_after_done_or_failed_is_a_no_op(m):
     to_waiting(m)
-    m.step(Received(DONE, now=4.0))
+    m.step(FromPrefill(DONE, now=4.0))
     assert m.step(Abort(ROOM, "too late", now=4.5)) == [] and m.rooms[ROOM].state is D.DONE
     to_reserving(m, 78)
-    m.step(Received(wire.KvFail(room=78, reason="no"), now=5.0))
+    m.step(FromPrefill(wire.KvFail(room=78, reason="no"), now=5.0))
     assert m.step(Abort(78, "too late", now=5.5)) == [] and m.rooms[78].state is D.FAILED
 
 
@@ -597,8 +601,8 @@ def test_an_unheard_prefill_frees_rooms_that_sent_no_kv_req_at_once(m, state):
 
 
 EXITS = {  # how a quarantined room learns that nothing more can land in its pages
-    "kv_done": Received(DONE, now=7.0),  # the healed prefill finished the write
-    "kv_fail": Received(wire.KvFail(room=ROOM, prefill_rank=0, reason="aborted", cause="aborted"), now=7.0),
+    "kv_done": FromPrefill(DONE, now=7.0),  # the healed prefill finished the write
+    "kv_fail": FromPrefill(wire.KvFail(room=ROOM, prefill_rank=0, reason="aborted", cause="aborted"), now=7.0),
     "another instance": PeerAlive(ADDR, "inst-2", now=7.0),  # the old process is gone
     "its rank died": PeerGone(ADDR, "prefill dp_rank 0 is gone: died", frozenset({0}), now=7.0),
 }
@@ -634,7 +638,7 @@ def test_other_ranks_and_addresses_leave_a_quarantined_room_alone(m):
     assert m.step(PeerGone(ADDR, "rank 1 died", frozenset({1}), now=6.0)) == []
     assert m.step(PeerGone(ADDR_B, "gone", None, now=6.0)) == []
     assert m.step(PeerAlive(ADDR_B, "inst-9", now=6.0)) == []
-    assert m.step(Received(wire.KvFail(room=ROOM + 1, reason="x"), now=6.0)) == []
+    assert m.step(FromPrefill(wire.KvFail(room=ROOM + 1, reason="x"), now=6.0)) == []
     assert m.rooms[ROOM].state is D.QUARANTINED and m.step(Tick(now=6.0)) == []
 
 
@@ -645,13 +649,13 @@ def test_the_same_instance_back_is_asked_with_a_kv_abort_and_answers(m):
     assert m.step(Tick(now=6.5)) == [] and m.rooms[ROOM].state is D.QUARANTINED  # still waiting
     assert m.step(PeerGone(ADDR, GONE, None, now=7.0)) == []  # unheard again: that abort may be lost
     assert m.step(PeerAlive(ADDR, "inst-1", now=8.0)) == [send_abort(GONE_REASON)]
-    assert m.step(Received(wire.KvFail(room=ROOM, prefill_rank=0, reason="aborted"), now=8.5)) == []
+    assert m.step(FromPrefill(wire.KvFail(room=ROOM, prefill_rank=0, reason="aborted"), now=8.5)) == []
     assert m.step(Tick(now=8.5)) == [Release(ROOM, RID, ADDR)]
 
 
 def test_a_quarantined_abort_goes_to_the_holder_rank(m):
     to_waiting(m)
-    m.step(Received(wire.KvMoved(room=ROOM, prefill_rank=1, endpoint=HOLDER_EP), now=3.5))
+    m.step(FromPrefill(wire.KvMoved(room=ROOM, prefill_rank=1, endpoint=HOLDER_EP), now=3.5))
     m.step(PeerGone(ADDR, GONE, None, now=5.0))
     m.step(Tick(now=5.0))
     reason = f"room {ROOM} (prefill dp_rank 1): {GONE}"

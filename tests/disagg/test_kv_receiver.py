@@ -13,7 +13,7 @@ from pdserve.disagg.bootstrap_client import BootstrapClient, Health
 from pdserve.disagg.prefill_peers import PrefillPeers
 from pdserve.disagg.bootstrap_server import ThreadedBootstrap
 from pdserve.disagg.bootstrap_table import BootstrapTable, RankInfo
-from pdserve.disagg.decode_machine import DecodeState
+from pdserve.disagg.decode_rooms import DecodeState
 from pdserve.disagg.handoff import HandoffState
 from pdserve.disagg.heartbeat import Heartbeat
 from pdserve.disagg.rank_resolver import RankResolver
@@ -56,6 +56,27 @@ def test_kv_req_carries_dst_pages_and_compat_facts(link):
     assert req["dst_pages"] == [9, 3, 4] and req["prompt_len"] == PROMPT and req["decode_rank"] == 1
     for key in ("page_size", "kv_dtype", "fingerprint", "backend", "layout", "endpoint"):
         assert req[key] == link.d_local[key]
+    link.wait_decode_state(ROOM, S.WAITING_FOR_INPUT)
+
+
+def test_pages_are_reserved_between_two_steps_not_inside_one(link):
+    """A Reserve is a round trip: the reserve function runs after the step that asked returned,
+    and its answer is the next step (no machine step is ever nested in another)."""
+    machine, depth, seen = link.receiver.machine, [0], []
+    step = machine.step
+
+    def counted(ev):
+        depth[0] += 1
+        try:
+            return step(ev)
+        finally:
+            depth[0] -= 1
+
+    machine.step = counted
+    pool = link.receiver.reserve
+    link.receiver.reserve = lambda rid, n: (seen.append(depth[0]), pool(rid, n))[1]
+    link.decode_sends_req()
+    assert seen == [0] and link.pool.calls == [(f"d-{ROOM}", PROMPT)]
     link.wait_decode_state(ROOM, S.WAITING_FOR_INPUT)
 
 

@@ -13,7 +13,7 @@ from handoff_harness import (ADDR, AUX, PAGE_BYTES, PAGE_SIZE, PROMPT, REGIONS, 
 from pdserve.core.failures import FailureCause
 from pdserve.core.page_keys import prefix_key
 from pdserve.disagg import wire
-from pdserve.disagg.kv_receiver import Reservation
+from pdserve.disagg.decode_events import Reservation
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]
 IDS = list(range(100, 100 + PROMPT))

@@ -16,10 +16,10 @@ from pdserve.disagg.bootstrap_client import BootstrapClient, BootstrapError, Hea
 from pdserve.disagg.prefill_peers import PrefillPeers
 from pdserve.disagg.bootstrap_server import ThreadedBootstrap
 from pdserve.disagg.bootstrap_table import BootstrapTable, RankInfo
-from pdserve.disagg.decode_machine import DecodeState
+from pdserve.disagg.decode_rooms import DecodeState
 from pdserve.disagg.handoff import HandoffState
 from pdserve.disagg.heartbeat import Heartbeat
-from pdserve.disagg.rank_resolver import Resolved
+from pdserve.disagg.resolution import Resolved
 from pdserve.transfer.tcp import TcpBackend
 from handoff_harness import (ADDR, AUX, PROMPT, ROOM, SRC, Link, assert_idle, assert_pages_landed, make_link,
                              poll_until)

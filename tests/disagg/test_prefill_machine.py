@@ -14,9 +14,11 @@ from pdserve.core.page_keys import prefix_key
 from pdserve.disagg import wire
 from pdserve.disagg.handoff import TRANSITIONS as HANDOFF_TRANSITIONS
 from pdserve.disagg.handoff import HandoffDone, HandoffState, IllegalTransition, Side
-from pdserve.disagg.prefill_machine import (TRANSITIONS, Accept, Drop, Fail, MarkFailed, PrefillDone,
-                                            PrefillHandoffs, Received, Report, RoomRouted, RoomState, Send,
-                                            StartWrite, Tick, WriteFacts, WriteReturned)
+from pdserve.disagg.machine_events import Tick
+from pdserve.disagg.prefill_events import (Drop, Fail, FromDecode, MarkFailed, PrefillAccept, PrefillDone,
+                                           PrefillReport, RoomRouted, Send, StartWrite, WriteFacts, WriteReturned)
+from pdserve.disagg.prefill_machine import PrefillHandoffs
+from pdserve.disagg.prefill_rooms import TRANSITIONS, RoomState
 
 R = RoomState
 C = FailureCause
@@ -68,7 +70,7 @@ def write(src=SRC, dst=DST, done=DONE) -> StartWrite:
 
 
 def accept(m, t=T0, prompt_len=PROMPT, ids=IDS, room=ROOM):
-    return m.step(Accept(room, "p-1", prompt_len, ids, **at(t)))
+    return m.step(PrefillAccept(room, "p-1", prompt_len, ids, **at(t)))
 
 
 def prefilled(m, t=T0, pages=SRC, aux=AUX, room=ROOM):
@@ -76,11 +78,11 @@ def prefilled(m, t=T0, pages=SRC, aux=AUX, room=ROOM):
 
 
 def deliver(m, msg=None, t=T0, sender=DEC):
-    return m.step(Received(sender, kv_req() if msg is None else msg, **at(t)))
+    return m.step(FromDecode(sender, kv_req() if msg is None else msg, **at(t)))
 
 
 def abort(m, t=T0, sender=DEC, endpoint: dict | None = DEC):
-    return m.step(Received(sender, kv_abort(endpoint), **at(t)))
+    return m.step(FromDecode(sender, kv_abort(endpoint), **at(t)))
 
 
 def returned(m, t=T0, error=None, facts=FACTS):
@@ -97,7 +99,7 @@ def state(m, room=ROOM) -> RoomState:
 
 def report(effects) -> HandoffDone:
     [eff] = effects
-    assert isinstance(eff, Report)
+    assert isinstance(eff, PrefillReport)
     return eff.done
 
 
@@ -150,7 +152,7 @@ def test_every_move_outside_the_table_raises(a, b):
     r = m.rooms[ROOM]
     r.state = a  # placed there directly: only the table check is under test
     with pytest.raises(IllegalTransition, match=f"illegal move {a.value} -> {b.value}"):
-        m._move(r, b)
+        r.move(b, T0)
     assert r.state is a
 
 
@@ -181,8 +183,8 @@ def test_happy_path_in_each_order(order):
     m = machine()
     if order == "req_first":
         assert deliver(m, t=T0 - 1) == []
-        assert m.early[ROOM].req == kv_req() and m.early[ROOM].since == T0 - 1 and not m.rooms
-        assert accept(m) == [] and state(m) is R.WAITING_FOR_INPUT and not m.early
+        assert m.notes.early[ROOM].req == kv_req() and m.notes.early[ROOM].since == T0 - 1 and not m.rooms
+        assert accept(m) == [] and state(m) is R.WAITING_FOR_INPUT and not m.notes.early
         assert prefilled(m, T0 + 1) == [write()]
     elif order == "request_first":
         assert accept(m) == [] and state(m) is R.BOOTSTRAPPING
@@ -198,7 +200,7 @@ def test_happy_path_in_each_order(order):
     done = report(tick(m, T0 + 4))
     assert done.ok and done.room == ROOM and done.rid == "p-1" and done.reason == "" and not done.dropped
     assert done.aux == AUX and done.meta["kv_bytes"] == FACTS.bytes
-    assert not m.rooms and not m.doomed and not m.early
+    assert not m.rooms and not m.notes.doomed and not m.notes.early
     assert tick(m, T0 + 5) == []
 
 
@@ -284,7 +286,7 @@ def test_fail_in_each_live_state(start, to):
     done = report(tick(m, T0 + 1002))
     assert not done.ok and done.reason == why and done.meta["failure_cause"] == "aborted"
     assert done.meta["prefill_total_s"] == 1.0  # until it failed, not until its write returned
-    assert m.doomed[ROOM].reason == why and m.doomed[ROOM].since == T0 + 1002  # a late KvReq fails at once
+    assert m.notes.doomed[ROOM].reason == why and m.notes.doomed[ROOM].since == T0 + 1002  # a late KvReq fails at once
 
 
 @pytest.mark.parametrize("end", [R.SUCCESS, R.FAILED_UNHEARD, R.FAILING])
@@ -356,7 +358,7 @@ def test_a_decode_abort_in_each_state(where):
     effects = abort(m, T0 + 1, sender=OTHER, endpoint=None)
     if where in ("unknown", "queued"):
         assert effects == [kv_fail(ABORTED_BY_DECODE, C.ABORTED, DEC if where == "queued" else OTHER)]
-        assert not m.early and m.doomed[ROOM].reason == ABORTED_BY_DECODE
+        assert not m.notes.early and m.notes.doomed[ROOM].reason == ABORTED_BY_DECODE
         assert accept(m, T0 + 2) == [] and state(m) is R.FAILED_UNHEARD  # the request after it: fails
         assert m.rooms[ROOM].reason == ABORTED_BY_DECODE
     elif where in (R.BOOTSTRAPPING, R.PREFILLED):
@@ -407,10 +409,10 @@ def test_the_bootstrap_deadline(start, what):
 def test_a_queued_kv_req_expires_and_dooms_the_room():
     m = machine()
     deliver(m, t=T0)
-    assert tick(m, T0 + 30.0) == [] and ROOM in m.early
+    assert tick(m, T0 + 30.0) == [] and ROOM in m.notes.early
     why = f"room {ROOM}: prefill dp_rank 0 never received its request within 30s (PDSERVE_BOOTSTRAP_TIMEOUT)"
     assert tick(m, T0 + 30.5) == [kv_fail(why, C.TIMEOUT)]
-    assert not m.early and m.doomed[ROOM].reason == why
+    assert not m.notes.early and m.notes.doomed[ROOM].reason == why
     assert accept(m, T0 + 31) == [] and state(m) is R.FAILED_UNHEARD  # too late: fails at once
     done = report(tick(m, T0 + 31))
     assert not done.ok and done.reason == why
@@ -420,8 +422,8 @@ def test_doomed_and_dropped_notes_last_failed_ttl():
     m = machine()
     m.step(MarkFailed(ROOM, CONFLICT, **at(T0)))
     m.step(Drop(ROOM + 1, "local prefill", **at(T0)))
-    assert tick(m, T0 + 600.0) == [] and ROOM in m.doomed and ROOM + 1 in m.dropped
-    assert tick(m, T0 + 600.5) == [] and not m.doomed and not m.dropped
+    assert tick(m, T0 + 600.0) == [] and ROOM in m.notes.doomed and ROOM + 1 in m.notes.dropped
+    assert tick(m, T0 + 600.5) == [] and not m.notes.doomed and not m.notes.dropped
     assert accept(m, T0 + 601) == [] and state(m) is R.BOOTSTRAPPING  # a fresh start
     assert accept(m, T0 + 601, room=ROOM + 1) == [] and state(m, ROOM + 1) is R.BOOTSTRAPPING
 
@@ -430,9 +432,9 @@ def test_routes_and_forwards_last_the_bootstrap_deadline():
     m = machine()
     m.step(RoomRouted(ROOM, 1, HOLDER, **at(T0)))
     deliver(m, t=T0)
-    assert ROOM in m.routes and ROOM in m.forwarded
-    assert tick(m, T0 + 30.0) == [] and ROOM in m.routes
-    assert tick(m, T0 + 30.5) == [] and not m.routes and not m.forwarded
+    assert ROOM in m.notes.routes and ROOM in m.notes.forwarded
+    assert tick(m, T0 + 30.0) == [] and ROOM in m.notes.routes
+    assert tick(m, T0 + 30.5) == [] and not m.notes.routes and not m.notes.forwarded
 
 
 # ---- rooms the front failed -------------------------------------------------------------------
@@ -445,7 +447,7 @@ def test_a_room_marked_failed_refuses_its_kv_req(when):
     else:
         assert deliver(m) == []
         assert m.step(MarkFailed(ROOM, CONFLICT, **at(T0))) == [kv_fail(CONFLICT, C.CONFLICT)]
-    assert not m.early and m.doomed[ROOM].cause is C.CONFLICT
+    assert not m.notes.early and m.notes.doomed[ROOM].cause is C.CONFLICT
     assert accept(m, T0 + 1) == [] and state(m) is R.FAILED_UNHEARD
     assert report(tick(m, T0 + 1)).reason == CONFLICT
 
@@ -479,7 +481,7 @@ def test_an_incompatible_kv_req_fails_naming_both_values(when):
         accept(m)
     assert deliver(m, kv_req(kv_dtype="bfloat16")) == [kv_fail(why, C.INCOMPATIBLE)]
     if when == "before_request":  # remembered: the request fails at once
-        assert not m.early and m.doomed[ROOM].reason == why
+        assert not m.notes.early and m.notes.doomed[ROOM].reason == why
         assert accept(m) == [] and state(m) is R.FAILED_UNHEARD
     else:
         assert state(m) is R.FAILED
@@ -491,13 +493,13 @@ def test_a_kv_req_of_another_bootstrap_instance_is_refused():
     why = (f"room {ROOM}: the decode resolved prefill dp_rank 0 on bootstrap instance inst-0, but this server "
            "is instance inst-1: the prefill restarted and lost the room")
     assert deliver(m, kv_req(prefill_instance="inst-0")) == [kv_fail(why, C.PEER_GONE)]
-    assert not m.early and m.doomed[ROOM].cause is C.PEER_GONE
+    assert not m.notes.early and m.notes.doomed[ROOM].cause is C.PEER_GONE
 
 
 @pytest.mark.parametrize("mine,theirs", [("", "inst-0"), ("inst-1", "")])
 def test_the_instance_is_checked_only_when_both_are_known(mine, theirs):
     m = machine(instance_id=mine)
-    assert deliver(m, kv_req(prefill_instance=theirs)) == [] and ROOM in m.early
+    assert deliver(m, kv_req(prefill_instance=theirs)) == [] and ROOM in m.notes.early
 
 
 def _reuse_problem(req: wire.KvReq, ids=IDS) -> list:
@@ -540,14 +542,14 @@ def test_a_duplicate_kv_req_is_ignored():
 def test_other_messages_are_ignored():
     m = machine()
     drive(m, R.WAITING_FOR_INPUT)
-    assert m.step(Received(DEC, DONE, **at(T0))) == [] and state(m) is R.WAITING_FOR_INPUT
+    assert m.step(FromDecode(DEC, DONE, **at(T0))) == [] and state(m) is R.WAITING_FOR_INPUT
 
 
 def test_a_room_accepted_twice_is_refused_and_the_first_kept():
     m = machine()
     accept(m)
     with pytest.raises(ValueError, match=f"room {ROOM} is already in progress on prefill dp_rank 0"):
-        m.step(Accept(ROOM, "p-2", PROMPT + 4, None, **at(T0)))
+        m.step(PrefillAccept(ROOM, "p-2", PROMPT + 4, None, **at(T0)))
     assert m.rooms[ROOM].rid == "p-1" and m.rooms[ROOM].prompt_len == PROMPT
 
 
@@ -556,13 +558,13 @@ def _assert_dropped(m) -> None:
     done = report(tick(m, T0 + 1))
     assert not done.ok and done.dropped and done.reason == f"room {ROOM}: dropped: local prefill"
     assert done.meta["disaggregation"] == "dropped" and "failure_cause" not in done.meta
-    assert ROOM not in m.doomed  # not a failure: a later request is served
+    assert ROOM not in m.notes.doomed  # not a failure: a later request is served
 
 
 def test_a_drop_before_the_request():
     m = machine()
-    assert m.step(Drop(ROOM, "local prefill", **at(T0))) == [] and ROOM in m.dropped
-    assert accept(m) == [] and state(m) is R.DROPPED_UNHEARD and not m.dropped
+    assert m.step(Drop(ROOM, "local prefill", **at(T0))) == [] and ROOM in m.notes.dropped
+    assert accept(m) == [] and state(m) is R.DROPPED_UNHEARD and not m.notes.dropped
     _assert_dropped(m)
 
 
@@ -604,9 +606,9 @@ def test_a_kv_req_for_a_routed_room_is_forwarded(order):
         assert m.step(RoomRouted(ROOM, 1, HOLDER, **at(T0))) == []
         assert deliver(m) == [forwarded()]
     else:
-        assert deliver(m) == [] and ROOM in m.early
+        assert deliver(m) == [] and ROOM in m.notes.early
         assert m.step(RoomRouted(ROOM, 1, HOLDER, **at(T0))) == [forwarded()]
-    assert not m.early and not m.rooms and m.forwarded[ROOM].holder == HOLDER
+    assert not m.notes.early and not m.rooms and m.notes.forwarded[ROOM].holder == HOLDER
 
 
 def test_an_unreachable_holder_fails_the_decode_from_the_home():
@@ -620,7 +622,7 @@ def test_an_unreachable_holder_fails_the_decode_from_the_home():
 def test_a_kv_req_already_forwarded_is_not_forwarded_again():
     m = machine()
     m.step(RoomRouted(ROOM, 1, HOLDER, **at(T0)))
-    assert deliver(m, kv_req(forwarded_by=1)) == [] and ROOM in m.early
+    assert deliver(m, kv_req(forwarded_by=1)) == [] and ROOM in m.notes.early
 
 
 @pytest.mark.parametrize("via", ["forwarded", "route"])
@@ -630,7 +632,7 @@ def test_a_decode_abort_follows_the_room_to_its_holder(via):
     if via == "forwarded":
         deliver(m)
     assert abort(m, endpoint=None) == [Send(HOLDER, kv_abort(DEC))]  # the holder answers the decode
-    assert ROOM not in m.doomed
+    assert ROOM not in m.notes.doomed
 
 
 def test_a_room_the_decode_gave_up_at_the_home_is_aborted_on_the_holder():

@@ -32,7 +32,7 @@ from pdserve.core.sampling import SamplingParams  # noqa: E402
 from pdserve.disagg.bootstrap_table import RankInfo  # noqa: E402
 from pdserve.disagg.kv_receiver import DecodeReceiver  # noqa: E402
 from pdserve.disagg.kv_sender import PrefillSender  # noqa: E402
-from pdserve.disagg.rank_resolver import Resolved  # noqa: E402
+from pdserve.disagg.resolution import Resolved  # noqa: E402
 from pdserve.router.metrics import RouterMetrics  # noqa: E402
 from pdserve.server.metrics import FrontMetrics  # noqa: E402
 from pdserve.server.protocol import RequestItem  # noqa: E402

@@ -71,3 +71,85 @@ def test_no_torch_at_runtime(module):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False", f"{module} loads torch"
+
+
+# ---- the handoff machines are pure (disagg/machine_events.py): no threads, sockets, HTTP, clocks
+MACHINE_FORBIDDEN = {"threading", "socket", "httpx", "time", "asyncio", "zmq", "requests"}
+# names of that list that a module a machine imports may still import, and why
+MACHINE_ALLOWED = {
+    "pdserve.disagg.handoff": {"time"},  # the default clock of a standalone Handoff; the machines pass times in
+}
+MACHINES = sorted(f"pdserve.disagg.{p.stem}" for p in (PKG / "disagg").glob("*_machine.py"))
+
+
+def module_file(name: str) -> Path | None:
+    """The file of pdserve module `name` (a package: its __init__.py); None for anything else."""
+    rel = PKG.parent.joinpath(*name.split("."))
+    for f in (rel.with_suffix(".py"), rel / "__init__.py"):
+        if f.is_file():
+            return f
+    return None
+
+
+def runtime_imports(path: Path) -> list[str]:
+    """What a file imports when it runs: `if TYPE_CHECKING:` blocks left out, relative names
+    resolved, and `from pkg import mod` counted as importing pkg.mod."""
+    tree = ast.parse(path.read_text())
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+                   for stmt in node.body for n in ast.walk(stmt)}
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            out.extend(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*parts[: len(parts) - node.level], *([node.module] if node.module else [])])
+            out.append(base)
+            out.extend(f"{base}.{a.name}" for a in node.names if module_file(f"{base}.{a.name}"))
+    return out
+
+
+def machine_modules() -> dict[str, list[str]]:
+    """Every pdserve module that importing a *_machine.py in disagg/ runs -> the import chain
+    from that machine to it."""
+    chains = {m: [m] for m in MACHINES}
+    todo = list(MACHINES)
+    while todo:
+        mod = todo.pop()
+        for name in runtime_imports(module_file(mod)):
+            parts = name.split(".")
+            for i in range(1, len(parts) + 1):  # a module and the packages above it
+                sub = ".".join(parts[:i])
+                if parts[0] == "pdserve" and sub not in chains and module_file(sub):
+                    chains[sub] = [*chains[mod], sub]
+                    todo.append(sub)
+    return chains
+
+
+def test_machines_and_their_parts_import_no_threads_sockets_http_or_clocks():
+    chains = machine_modules()
+    assert {"pdserve.disagg.decode_machine", "pdserve.disagg.prefill_machine",
+            "pdserve.disagg.machine_events", "pdserve.disagg.decode_events"} <= set(chains)
+    bad = []
+    for mod, chain in sorted(chains.items()):
+        for name in runtime_imports(module_file(mod)):
+            top = name.split(".")[0]
+            if top in MACHINE_FORBIDDEN and top not in MACHINE_ALLOWED.get(mod, ()):
+                bad.append(f"{module_file(mod).relative_to(PKG.parent)} imports {name}, and a handoff machine "
+                           f"imports it: {' -> '.join(chain)}")
+    assert not bad, "the machines must stay pure (no threads, sockets, HTTP or clocks):\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("module", MACHINES)
+def test_machines_load_no_io_at_runtime(module):
+    io = ("httpx", "zmq", "asyncio", "socket", "requests", "aiohttp")
+    code = (f"import sys, importlib; importlib.import_module({module!r}); "
+            f"print(sorted(m for m in {io!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"{module} loads {out.stdout.strip()}"

@@ -1,0 +1,142 @@
+"""The prefill machine's events (what happened) and effects (what its driver must do), and the
+WriteFacts a page write reports. Plain data; the rules are in prefill_machine.
+
+Events:  PrefillAccept (the prefill request), PrefillDone (pages + the engine's aux facts),
+         FromDecode (a typed wire message: KvReq / KvAbort), Fail (abort), MarkFailed (the front
+         failed the room), Drop (the decode prefilled it itself), RoomRouted (the front sent a
+         room homed here elsewhere), WriteReturned (a page-write job came back, ok or not), and
+         the shared Tick (deadlines, reaping, expiry).
+Effects: Send (a message to a peer; optionally one more on success / on failure), StartWrite
+         (write pages to the decode, then send its KvDone), PrefillReport (a finished room:
+         HandoffDone).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Union
+
+import msgspec
+
+from ..core.failures import FailureCause
+from . import wire
+from .handoff import HandoffDone
+from .machine_events import Event
+
+
+# ---- events -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PrefillAccept(Event):
+    """The prefill request for `room` arrived (ValueError if the room is already in progress)."""
+
+    room: int
+    rid: str
+    prompt_len: int
+    prompt_ids: list[int] | None = None  # to check a decode's reused prefix
+
+
+@dataclass(frozen=True)
+class PrefillDone(Event):
+    room: int
+    pages: list[int]
+    aux: dict  # the KvDone facts (prefill_messages.DONE_FIELDS): first token, logprobs, prompt_len, ...
+
+
+@dataclass(frozen=True)
+class FromDecode(Event):
+    """A typed control message from a decode worker (KvReq or KvAbort) and who sent it."""
+
+    sender: dict
+    msg: wire.Message
+
+
+@dataclass(frozen=True)
+class Fail(Event):
+    room: int
+    reason: str
+    cause: FailureCause = FailureCause.ABORTED
+
+
+@dataclass(frozen=True)
+class MarkFailed(Event):
+    room: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Drop(Event):
+    room: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class RoomRouted(Event):
+    room: int
+    rank: int
+    endpoint: dict
+
+
+@dataclass(frozen=True)
+class WriteFacts:
+    """What a page write did (transfer.base.WriteResult), as KvDone and meta_info carry it."""
+
+    bytes: int = 0
+    transfer_s: float = 0.0
+    started_at: float | None = None
+    finished_at: float | None = None
+    writes: int = 0
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class WriteReturned(Event):
+    """A StartWrite's job came back: `error` None means the pages landed and the KvDone went out."""
+
+    room: int
+    error: str | None = None
+    facts: WriteFacts | None = None
+
+
+# ---- effects ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Send:
+    """Send `msg` to `peer`; then `on_sent` if it went out, else `on_error` (a KvFail whose reason
+    gets ": <the error>" appended, see `failed`). A failed send without `on_error` is only logged."""
+
+    peer: dict
+    msg: wire.Message
+    on_sent: Send | None = None
+    on_error: Send | None = None
+
+    def failed(self, error: str) -> Send | None:
+        """What to send instead, now that `msg` could not be sent because of `error`."""
+        if self.on_error is None:
+            return None
+        m = self.on_error.msg
+        return dataclasses.replace(self.on_error, msg=msgspec.structs.replace(m, reason=f"{m.reason}: {error}"))
+
+
+@dataclass(frozen=True)
+class StartWrite:
+    """Write `src_pages` into the decode's `dst_pages`, then send `done` with the write's facts
+    (bytes, timings) filled in; whatever happens, come back as one WriteReturned."""
+
+    room: int
+    peer: dict
+    layout: dict
+    src_pages: list[int]
+    dst_pages: list[int]
+    done: wire.KvDone
+
+
+@dataclass(frozen=True)
+class PrefillReport:
+    """A finished room for the worker: its pages may be released now."""
+
+    done: HandoffDone
+
+
+PrefillEffect = Union[Send, StartWrite, PrefillReport]
