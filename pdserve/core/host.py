@@ -45,6 +45,12 @@ class HostInfo:
         except (AttributeError, OSError):
             cores = os.cpu_count() or 1
         name = _cpuinfo_field("model name", cpuinfo) or _cpuinfo_field("Model", cpuinfo) or "unknown"
+        # cloud VMs name very different CPUs alike ("AMD EPYC" for Zen 1 and Zen 5): the family
+        # and model tell them apart, in what is shown and in the calibration cache's key
+        ids = [(k, _cpuinfo_field(f, cpuinfo)) for k, f in (("family", "cpu family"), ("model", "model\t"),
+                                                           ("stepping", "stepping"))]
+        if any(v for _, v in ids):
+            name += " (" + " ".join(f"{k} {v}" for k, v in ids if v) + ")"
         return HostInfo(name, cpu_flags(cpuinfo) & ISA_FLAGS, cores)
 
     def summary(self) -> dict:

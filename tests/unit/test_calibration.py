@@ -247,3 +247,15 @@ def test_a_real_measurement_on_a_tiny_model_gives_a_plan_that_runs(tmp_path, tin
     while engine.has_work():
         out += [o.token_id for o in engine.step() if o.token_id is not None]
     assert len(out) == 5
+
+
+def test_host_names_the_family_and_model_so_cpus_sold_under_one_name_calibrate_apart(tmp_path):
+    def host(family: str, model: str) -> HostInfo:
+        f = tmp_path / f"cpuinfo-{family}-{model}"
+        f.write_text(f"processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: {family}\nmodel\t\t: {model}\n"
+                     f"model name\t: AMD EPYC\nstepping\t: 1\nflags\t\t: fpu avx2 fma avx512f avx512_bf16\n")
+        return HostInfo.read(str(f))
+    zen1, zen5 = host("23", "1"), host("26", "2")
+    assert zen5.model_name == "AMD EPYC (family 26 model 2 stepping 1)"
+    assert zen5.isa_flags == {"avx2", "fma", "avx512f", "avx512_bf16"}
+    assert _key(host=zen1).digest() != _key(host=zen5).digest()
