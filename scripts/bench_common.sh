@@ -10,12 +10,12 @@ URL=http://127.0.0.1:$PORT
 pid=""
 # which CPU every figure of the run came from
 field() { grep -m1 "^$1" /proc/cpuinfo | cut -d: -f2- | xargs; }
-echo "cpu: $(field 'model name') (family $(field 'cpu family') model $(field 'model')); $(nproc) cores;" \
+echo "cpu: $(field 'model name') (family $(field 'cpu family') model $(field 'model[[:space:]]*:')); $(nproc) cores;" \
   "amx: $(grep -qw amx_bf16 /proc/cpuinfo && echo yes || echo no);" \
   "avx512_bf16: $(grep -qw avx512_bf16 /proc/cpuinfo && echo yes || echo no); load: $(cut -d' ' -f1-3 /proc/loadavg)" \
   | tee "$OUT/cpu.txt"
 # the server's own account (pdserve: per-worker cpu_waits, plan) kept beside the results
-stop() { if [ -n "$pid" ]; then curl -sf "$URL/server_info" > "$OUT/server-info-$pid.json" 2>/dev/null || true; kill -- -"$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; fi; pid=""; }
+stop() { if [ -n "$pid" ]; then curl -sf "$URL/server_info" > "$OUT/server-info-$pid.json" 2>/dev/null || rm -f "$OUT/server-info-$pid.json"; kill -- -"$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; fi; pid=""; }
 
 wait_up() {  # $1: the server's log, shown if it exits
   for _ in $(seq 600); do

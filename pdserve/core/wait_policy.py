@@ -84,10 +84,10 @@ def pick(measured: dict[str, dict[str, float]], governed: bool = False) -> tuple
     if governed:
         # alone, waits that never sleep answer at least as fast as any that do (a bounded spin
         # falls back to sleeping): active, unless passive measures clearly faster (SMT siblings)
-        best = "active"
-        if "active" not in measured or measured.get("passive", {"quiet_ms": float("inf")})["quiet_ms"] \
-                < measured["active"]["quiet_ms"] / GOVERNED_MARGIN:
-            best = fastest
+        active, passive = measured.get("active"), measured.get("passive")
+        clearly_faster = passive is not None and active is not None \
+            and passive["quiet_ms"] < active["quiet_ms"] / GOVERNED_MARGIN
+        best = "active" if active is not None and not clearly_faster else fastest
         return best, (f"{best}: fastest alone; the spin governor runs one thread while other"
                       f" processes use the cores (alone/busy without it: {shown})")
     bb = min(m["busy_ms"] for m in measured.values())

@@ -118,7 +118,6 @@ class SpinGovernor:
         self.others = 0.0  # cores' worth of other processes' time in the last window
         self._last_t, self._last = clock(), read_use(cpus)
         self._team_s, self._mode_t = 0.0, self._last_t  # time in TEAM this window; last switch
-        self._last_waited, self._last_runs = self._last.waited, self._last.runs
 
     def before_step(self) -> None:
         now = self.clock()
@@ -132,12 +131,12 @@ class SpinGovernor:
     def _observe(self, now: float) -> None:
         use = self.read_use(self.cpus)
         wall = now - self._last_t
-        self.others = max(0.0, (use.cores_busy - self._last.cores_busy) - (use.ours - self._last.ours)) / wall
+        last = self._last
+        self.others = max(0.0, (use.cores_busy - last.cores_busy) - (use.ours - last.ours)) / wall
+        runs = use.runs - last.runs
+        self.wait_ms = max(0.0, use.waited - last.waited) / runs * 1e3 if runs > 0 else 0.0
         team_share = self._team_time(now) / wall
         self._last_t, self._last, self._team_s, self._mode_t = now, use, 0.0, now
-        runs = use.runs - self._last_runs
-        self.wait_ms = max(0.0, use.waited - self._last_waited) / runs * 1e3 if runs > 0 else 0.0
-        self._last_waited, self._last_runs = use.waited, use.runs
         if self.sharing is Sharing.ALONE:
             # a window mostly parked for idleness says nothing of a neighbour beside the team
             if team_share < 0.5:
