@@ -60,6 +60,7 @@ BENCHES = {
     "structured": "pdserve.bench.structured_bench",
     "calibrate": "pdserve.bench.calibrate",
     "up": "pdserve.bench.up_bench",
+    "rounds": "pdserve.bench.rounds",
 }
 
 
