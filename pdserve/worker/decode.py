@@ -70,7 +70,7 @@ class DecodeRole(WorkerRole):
         return self.pool_math.admit(rid, req.input_ids, req.sampling.max_new_tokens, held)
 
     def on_generate(self, req: GenerateReq) -> list[TokenOutput]:
-        if req.pd is None and req.dispatch_reason == "health_generate":
+        if req.health_check:  # the front's /health_generate: this worker alone, no handoff
             return self.local_role.on_generate(req)
         try:
             require_pd(req, "decode")

@@ -555,7 +555,7 @@ def test_request_without_pd_fields_is_refused_and_health_checks_run_locally(pd, 
     plain = dataclasses.replace(pd.req("x-1"), pd=None)
     [out] = w.generate(plain)
     assert out.finished and out.error.status == 400 and "bootstrap_room" in out.error.message
-    health = dataclasses.replace(pd.req("h-1", max_new=3), pd=None, dispatch_reason="health_generate")
+    health = dataclasses.replace(pd.req("h-1", max_new=3), pd=None, health_check=True)
     assert w.generate(health) == []
     pd.finish()
     assert w.final("h-1").error is None and w.tokens("h-1") == fake_continuation(PROMPT, 3, VOCAB)
