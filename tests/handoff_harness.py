@@ -1,6 +1,6 @@
 """The handoff harness the disagg unit tests share: numpy KV pools behind FakeBackends on one
-FakeFabric, a PrefillSender and a DecodeReceiver wired by hand (`Link`), message pumps and
-polls with deadlines. Fixtures over it live in tests/conftest.py."""
+FakeFabric, a PrefillSender and a DecodeReceiver wired by hand (`Link`) on a FakePrefillLink,
+message pumps and polls with deadlines. Fixtures over it live in tests/conftest.py."""
 
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ import numpy as np
 from pdserve.core.kv_layout import KVLayout
 from pdserve.disagg import wire
 from pdserve.disagg.bootstrap_table import RankInfo
+from pdserve.disagg.decode_events import (CancelResolve, GiveUp, Invalidate, PeerAlive, PeerGone, RankResolved,
+                                          Resolve)
 from pdserve.disagg.handoff import HandoffState
-from pdserve.disagg.kv_receiver import DecodeReceiver
+from pdserve.disagg.kv_receiver import DecodeReceiver, ReceiverLimits
+from pdserve.disagg.link_api import Inbox, LinkEffect, PeerLink
 from pdserve.disagg.kv_sender import PrefillSender
 from pdserve.disagg.resolution import Resolved
 from pdserve.transfer.base import layout_to_dict
@@ -31,7 +34,7 @@ SRC = [1, 2, 5]  # the prefill's pages of the prompt
 AUX = {"first_token": 42, "first_logprob": -0.25, "input_logprobs": None, "prompt_len": PROMPT}
 WAIT_S = 5.0
 THREAD_PREFIXES = ("kv-send", "kv-recv", "kv-msg-pump", "resolve", "dp-rank-query", "pd-heartbeat",
-                   "bootstrap-http")
+                   "pd-link", "bootstrap-http")
 
 
 def make_memory(seed: int | None) -> tuple[np.ndarray, KVLayout]:
@@ -81,6 +84,43 @@ class PagePool:
         self.free.extend(self.held.pop(rid))
 
 
+class FakePrefillLink(PeerLink):
+    """A decode's link to its prefills, by hand: it records the effects it is handed and posts
+    into the receiver's inbox what the test says it learned (`resolved`, `gone`, `alive`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inbox: Inbox | None = None
+        self.resolves: list[tuple[str, int, int | None]] = []
+        self.cancels: list[tuple[str, int]] = []
+        self.invalidated: list[str] = []
+        self.given_up: list[tuple[str, int, str]] = []
+
+    def bind(self, inbox: Inbox) -> None:
+        self.inbox = inbox
+
+    def execute(self, effect: LinkEffect) -> None:
+        if isinstance(effect, Resolve):
+            self.resolves.append((effect.addr, effect.room, effect.hint))
+        elif isinstance(effect, CancelResolve):
+            self.cancels.append((effect.addr, effect.room))
+        elif isinstance(effect, Invalidate):
+            self.invalidated.append(effect.addr)
+        elif isinstance(effect, GiveUp):
+            self.given_up.append((effect.addr, effect.room, effect.reason))
+        else:
+            raise TypeError(effect)
+
+    def resolved(self, res: Resolved) -> None:
+        self.inbox.post(RankResolved(res))
+
+    def gone(self, addr: str, reason: str, ranks: frozenset[int] | None = None) -> None:
+        self.inbox.post(PeerGone(addr, reason, ranks))
+
+    def alive(self, addr: str, instance: str) -> None:
+        self.inbox.post(PeerAlive(addr, instance))
+
+
 def pump(backend: FakeBackend, handler: Callable[[dict, dict], None], n: int = 1,
          timeout: float = WAIT_S) -> list[dict]:
     """Hand the next `n` control messages arriving at `backend` to `handler`; return them."""
@@ -118,12 +158,19 @@ class Link:
     d_mem: np.ndarray
     sender: PrefillSender
     receiver: DecodeReceiver
+    prefills: PeerLink  # the receiver's link: a FakePrefillLink unless make_link was given one
     pool: PagePool
     p_local: dict
     d_local: dict
-    resolves: list = field(default_factory=list)
-    cancels: list = field(default_factory=list)
     wakes: list = field(default_factory=list)
+
+    @property
+    def resolves(self) -> list:
+        return self.prefills.resolves
+
+    @property
+    def cancels(self) -> list:
+        return self.prefills.cancels
 
     def resolved(self, room: int = ROOM, rank: int = 0, error: str | None = None) -> Resolved:
         ep = self.p_local["endpoint"]
@@ -143,7 +190,7 @@ class Link:
     def decode_sends_req(self, room: int = ROOM, prompt_len: int = PROMPT, addr: str = ADDR) -> dict:
         """accept + resolution on the decode; returns the kv_req once the prefill got it."""
         self.receiver.accept(room, f"d-{room}", addr, prompt_len, None)
-        self.receiver.on_resolved(self.resolved(room))
+        self.prefills.resolved(self.resolved(room))
         assert self.receiver.poll() == []
         [msg] = pump(self.prefill_be, lambda s, m: None)
         assert msg["t"] == wire.KV_REQ and msg["room"] == room
@@ -152,7 +199,7 @@ class Link:
     def deliver_req(self, room: int = ROOM, prompt_len: int = PROMPT) -> None:
         """Like decode_sends_req, but the prefill handles the kv_req."""
         self.receiver.accept(room, f"d-{room}", ADDR, prompt_len, None)
-        self.receiver.on_resolved(self.resolved(room))
+        self.prefills.resolved(self.resolved(room))
         assert self.receiver.poll() == []
         [msg] = self.to_prefill()
         assert msg["t"] == wire.KV_REQ
@@ -181,7 +228,7 @@ class Link:
 
 def make_link(*, decode_local: dict | None = None, free: list[int] | None = None,
               bootstrap_timeout: float = 30.0, waiting_timeout: float = 30.0,
-              abort_grace: float = 5.0) -> Link:
+              abort_grace: float = 5.0, prefills: PeerLink | None = None) -> Link:
     fabric = FakeFabric()
     p_mem, p_layout = make_memory(seed=7)
     d_mem, d_layout = make_memory(seed=None)
@@ -192,16 +239,12 @@ def make_link(*, decode_local: dict | None = None, free: list[int] | None = None
     d_local = {**common, "layout": layout_to_dict(d_layout), "endpoint": d_ep, **(decode_local or {})}
     pool = PagePool([9, 3, 4, 12, 13, 14, 0, 6, 7, 8] if free is None else free)
     wakes: list = []
-    resolves: list = []
-    cancels: list = []
     sender = PrefillSender(pbe, 0, p_local, bootstrap_timeout=bootstrap_timeout,
                            wake=lambda: wakes.append("prefill"))
-    receiver = DecodeReceiver(dbe, 1, d_local, resolve=lambda *a: resolves.append(a),
-                              cancel_resolve=lambda *a: cancels.append(a), reserve=pool,
-                              waiting_timeout=waiting_timeout, abort_grace=abort_grace,
-                              wake=lambda: wakes.append("decode"))
-    return Link(fabric, pbe, dbe, p_mem, d_mem, sender, receiver, pool, p_local, d_local,
-                resolves, cancels, wakes)
+    prefills = prefills or FakePrefillLink()
+    receiver = DecodeReceiver(dbe, 1, d_local, link=prefills, reserve=pool, wake=lambda: wakes.append("decode"),
+                              limits=ReceiverLimits(waiting_timeout=waiting_timeout, abort_grace=abort_grace))
+    return Link(fabric, pbe, dbe, p_mem, d_mem, sender, receiver, prefills, pool, p_local, d_local, wakes)
 
 
 
@@ -217,6 +260,6 @@ def assert_pages_landed(lk: Link, src: list[int], dst: list[int]) -> None:
 def assert_idle(lk: Link) -> None:
     assert lk.sender.inflight() == 0 and lk.receiver.inflight() == 0
     assert not lk.sender.early
-    assert lk.receiver.watched() == set()
+    assert lk.prefills.watched() == set()
 
 

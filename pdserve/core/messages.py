@@ -39,6 +39,7 @@ class GenerateReq:
     dispatch_reason: str = ""  # why the front picked this rank (for timelines and logs)
     top_logprobs: int = 0  # alternatives with every returned logprob (return_logprob)
     prompt_logprobs: PromptLogprobs = PromptLogprobs.WITH_RETURN_LOGPROB
+    health_check: bool = False  # the front's /health_generate: the worker runs it alone, never as PD
 
 
 @dataclass(frozen=True)

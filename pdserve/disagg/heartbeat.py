@@ -1,11 +1,12 @@
 """Decode side: watch the bootstrap /health of every prefill server with rooms in flight.
 
 Each beat goes through PrefillPeers, which records the answer (instance, gone ranks, load) or
-counts a miss. A server that misses `max_failures` beats in a row is reported through
-`on_gone(addr, reason)`, and DP ranks whose worker died (its /health lists them) through
-`on_gone(addr, reason, ranks=...)`. Every answer is reported through `on_alive(addr,
-instance_id)`: the receiver knows which instance each room was resolved against, so a restart
-fails exactly the rooms the old instance held, however long the decode was idle before it.
+counts a miss. A server that misses `max_failures` beats in a row is marked gone there (new
+rooms naming it then fail at once) and posted as PeerGone; DP ranks whose worker died (its
+/health lists them) as PeerGone with those ranks. Every answer is posted as PeerAlive with the
+instance id: the decode machine knows which instance each room was resolved against, so a
+restart fails exactly the rooms the old instance held, however long the decode was idle.
+Part of the decode's PrefillLink (prefill_link.py).
 """
 
 from __future__ import annotations
@@ -14,21 +15,24 @@ import logging
 import threading
 from typing import Callable
 
+from .decode_events import PeerAlive, PeerGone
+from .machine_events import Event
 from .prefill_peers import PrefillPeers
 
 log = logging.getLogger(__name__)
+BEAT_TIMEOUT_S = 5.0  # one /health call waits at most this long (or the interval, if shorter)
 
 
 class Heartbeat:
+    """One thread beating every `watched()` address each `interval` seconds until close()."""
+
     def __init__(self, peers: PrefillPeers, *, interval: float, max_failures: int,
-                 watched: Callable[[], set[str]], on_gone: Callable[..., None],
-                 on_alive: Callable[[str, str], None] = lambda addr, instance: None):
+                 watched: Callable[[], set[str]], post: Callable[[Event], None]):
         self.peers = peers
         self.interval = interval
         self.max_failures = max(1, max_failures)
         self.watched = watched  # thread-safe snapshot of addresses with rooms in flight
-        self.on_gone = on_gone
-        self.on_alive = on_alive
+        self.post = post  # where PeerGone / PeerAlive go (the receiver's inbox)
         self._watched_before: set[str] = set()
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name="pd-heartbeat", daemon=True)
@@ -51,7 +55,7 @@ class Heartbeat:
             self.peers.reset_misses(addr)
 
     def beat(self, addr: str) -> None:
-        health = self.peers.beat(addr, timeout=min(self.interval, 5.0))
+        health = self.peers.beat(addr, timeout=min(self.interval, BEAT_TIMEOUT_S))
         if health is None:
             n = self.peers.misses(addr)
             if n >= self.max_failures:
@@ -59,13 +63,14 @@ class Heartbeat:
                 reason = (f"prefill bootstrap {addr} missed {n} heartbeats ({self.interval:.1f}s apart): "
                           "prefill server is gone")
                 self.peers.mark_gone(addr, reason)
-                self.on_gone(addr, reason)
+                self.post(PeerGone(addr, reason))
             return
-        self.on_alive(addr, health.instance_id)
+        self.post(PeerAlive(addr, health.instance_id))
         gone = health.gone_ranks
         if gone:
-            self.on_gone(addr, "; ".join(f"prefill {addr} dp_rank {rank} is gone: {why}"
-                                         for rank, why in sorted(gone.items())), ranks=frozenset(gone))
+            self.post(PeerGone(addr, "; ".join(f"prefill {addr} dp_rank {rank} is gone: {why}"
+                                               for rank, why in sorted(gone.items())),
+                               ranks=frozenset(gone)))
 
     def close(self) -> None:
         self.stop_event.set()

@@ -1,83 +1,93 @@
 """Decode side of the handoff: the driver of `decode_machine.DecodeHandoffs` for one decode worker.
 
-Life of a room: accept() -> resolve the prefill rank and endpoint (background) -> reserve pages
-(the `reserve` function, called on the loop thread, each tick while the pool is full) -> send
-kv_req to that prefill worker -> its kv_done arrives after the pages landed -> poll() reports it
-finished. Any failure (resolution, send, kv_fail, heartbeat loss, deadline, abort) finishes the
-room with a reason naming room, ranks and cause (and a FailureCause); the caller then frees the
-room's pages, except for a room that `holds()` them: its prefill may still write them (it was
-unheard, or never answered our kv_abort), so the caller answers the client at once and frees the
-pages only when `released()` names the room (the machine's QUARANTINED state). Each room also
-keeps the wall-clock times of its stages (core.timeline) for the front. A room whose kv_req may
-have reached the prefill is only reported after the prefill answered our kv_abort (or
-`abort_grace` passed, and its pages stay quarantined).
-A KvMoved (the rank we addressed forwarded our KvReq) points the room at the holder's rank and
-endpoint. `on_alive(addr, instance)` from the heartbeat fails the rooms resolved against another
-instance of that prefill (it restarted and lost them); rooms still resolving are left to their
-resolution, which sees the new instance.
+Life of a room: accept() -> its prefill link resolves the prefill rank and endpoint (background)
+-> reserve pages (the `reserve` function, called on the loop thread, each tick while the pool is
+full) -> send kv_req to that prefill worker -> its kv_done arrives after the pages landed ->
+poll() reports it finished. Any failure (resolution, send, kv_fail, heartbeat loss, deadline,
+abort) finishes the room with a reason naming room, ranks and cause (and a FailureCause); the
+caller then frees the room's pages, except for a room that `holds()` them: its prefill may still
+write them (it was unheard, or never answered our kv_abort), so the caller answers the client at
+once and frees the pages only when `released()` names the room (the machine's QUARANTINED
+state). Each room also keeps the wall-clock times of its stages (core.timeline) for the front. A
+room whose kv_req may have reached the prefill is only reported after the prefill answered our
+kv_abort (or `abort_grace` passed, and its pages stay quarantined). A KvMoved (the rank we
+addressed forwarded our KvReq) points the room at the holder's rank and endpoint. A PeerAlive
+naming another instance of a prefill fails the rooms resolved against the old one (it restarted
+and lost them); rooms still resolving are left to their resolution, which sees the new instance.
 
-Every decision is the machine's (decode_machine.py and its parts: room states, transition table,
-texts); this driver only turns calls, messages and background results into its events, stamped
-with the monotonic time, and carries out its effects. Events from other threads (resolver, send
-jobs, heartbeat) wait in `events` until poll() steps them on the loop thread, so every state
-change happens there; sends and /fail_room calls run on `pool`. Pages are reserved on the loop
-thread too: a Reserve effect is answered by calling `reserve` and stepping its PagesReserved
-right after the step that asked (a round trip through the machine, never a nested step).
+Every decision is the machine's (decode_machine.py and its parts); this driver only turns calls,
+messages and events into the machine's steps, stamped with the monotonic time, and carries out
+its effects. Everything about the prefill servers is the link's (link_api.PeerLink, in a worker
+prefill_link.PrefillLink): the receiver hands it the Resolve, CancelResolve, Invalidate and GiveUp
+effects, tells it which addresses have rooms in flight (watch/unwatch), and reads what it learns
+(RankResolved, PeerGone, PeerAlive) from its own `inbox`, where its send jobs post KvReqSent too;
+poll() steps them on the loop thread, so every state change happens there. Pages are reserved on
+the loop thread too: a Reserve effect is answered by calling `reserve` and stepping its
+PagesReserved right after the step that asked (a round trip through the machine, never a nested
+step).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import queue
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..core.errors import PDServeError
 from ..transfer.base import TransferBackend, TransferError
 from . import wire
 from .decode_admission import HandoffQueue
-from .decode_events import (Abort, CancelResolve, DecodeAccept, DecodeEffect, DecodeReport, FromPrefill, GiveUp,
-                            Invalidate, KvReqSent, Log, Malformed, PagesReserved, PeerAlive, PeerGone,
-                            RankResolved, Release, Reservation, Reserve, Resolve, SendAbort, SendKvReq)
+from .decode_events import (Abort, DecodeAccept, DecodeEffect, DecodeReport, FromPrefill, KvReqSent, Log,
+                            Malformed, PagesReserved, Release, Reservation, Reserve, SendAbort, SendKvReq)
 from .decode_machine import DecodeHandoffs
 from .decode_rooms import DecodeRoom, DecodeState
 from .handoff import HandoffDone
+from .link_api import LINK_EFFECTS, Inbox, PeerLink
 from .machine_events import Event, Tick
 from .resolution import Resolved
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class ReceiverLimits:
+    """A receiver's deadlines and bounds: `waiting_timeout` per handoff state
+    (PDSERVE_WAITING_TIMEOUT), `abort_grace` for the answer to a kv_abort, `quarantine` for the
+    pages of a room whose prefill went unheard, the admission `queue`, and its send threads."""
+
+    waiting_timeout: float = 300.0
+    abort_grace: float = 5.0
+    quarantine: float = 360.0
+    queue: HandoffQueue = field(default_factory=HandoffQueue)
+    send_threads: int = 2
+
+
 class DecodeReceiver:
-    def __init__(self, backend: TransferBackend, dp_rank: int, local: dict, *,
-                 resolve: Callable[[str, int, int | None], None],
-                 cancel_resolve: Callable[[str, int], None],
-                 reserve: Callable[[str, int], Reservation | list[int] | None], waiting_timeout: float,
-                 wake: Callable[[], None] = lambda: None, threads: int = 2,
-                 abort_grace: float = 5.0, invalidate: Callable[[str], None] = lambda addr: None,
-                 give_up: Callable[[str, int, str], None] = lambda addr, room, reason: None,
-                 admission: HandoffQueue | None = None, quarantine: float = 360.0):
+    """The handoffs of one decode worker (see the module docstring). `reserve(rid, prompt_len)`
+    answers pages (a Reservation, or a list of pages), None while they do not fit, or raises
+    PDServeError for a prompt that never will; `wake` makes the worker loop turn (any thread)."""
+
+    def __init__(self, backend: TransferBackend, dp_rank: int, local: dict, *, link: PeerLink,
+                 reserve: Callable[[str, int], Reservation | list[int] | None],
+                 wake: Callable[[], None] = lambda: None, limits: ReceiverLimits = ReceiverLimits()):
         self.backend = backend
         self.dp_rank = dp_rank
         self.local = local  # page_size, kv_dtype, fingerprint, backend, layout, endpoint
-        self.resolve = resolve
-        self.cancel_resolve = cancel_resolve
-        self.invalidate = invalidate  # forget what is cached about a prefill address
-        self.give_up = give_up  # (addr, room, reason): tell a prefill we cannot reach that the room is off
+        self.link = link
         self.reserve = reserve
-        self.wake = wake
-        self.machine = DecodeHandoffs(dp_rank, local, waiting_timeout=waiting_timeout, abort_grace=abort_grace,
-                                      quarantine=quarantine, queue=admission)
-        self.events: queue.Queue = queue.Queue()  # (event class, fields but `now`) from other threads
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kv-recv-{dp_rank}")
+        self.machine = DecodeHandoffs(dp_rank, local, waiting_timeout=limits.waiting_timeout,
+                                      abort_grace=limits.abort_grace, quarantine=limits.quarantine,
+                                      queue=limits.queue)
+        self.inbox = Inbox(wake)  # events from other threads: the link's, and the send jobs'
+        link.bind(self.inbox)
+        self.pool = ThreadPoolExecutor(limits.send_threads, thread_name_prefix=f"kv-recv-{dp_rank}")
         self._finished: list[HandoffDone] = []  # reported by the machine, returned by poll()
         self._held: set[int] = set()  # rooms reported whose pages stay held (quarantined)
         self._released: list[int] = []  # held rooms whose pages may go now, returned by released()
-        self._addrs_lock = threading.Lock()
-        self._addrs: dict[str, int] = {}  # prefill address -> rooms not yet returned by poll()
 
     @property
     def rooms(self) -> dict[int, DecodeRoom]:
@@ -99,31 +109,9 @@ class DecodeReceiver:
     def abort_grace(self, value: float) -> None:
         self.machine.abort_grace = value
 
-    # ---- events in (any thread) ------------------------------------------------------------
-    def on_resolved(self, r: Resolved) -> None:
-        self._post(RankResolved, result=r)
-
-    def on_gone(self, addr: str, reason: str, *, ranks: frozenset[int] | None = None) -> None:
-        """Fail the rooms waiting on prefill `addr`: only those resolved to `ranks` when given (their
-        workers died)."""
-        self._post(PeerGone, addr=addr, reason=reason, ranks=ranks)
-
-    def on_alive(self, addr: str, instance_id: str) -> None:
-        """Prefill `addr` answered a heartbeat as `instance_id`."""
-        self._post(PeerAlive, addr=addr, instance=instance_id)
-
-    def watched(self) -> set[str]:
-        with self._addrs_lock:
-            return set(self._addrs)
-
-    def _post(self, kind: type, **fields) -> None:
-        self.events.put((kind, fields))
-        self.wake()
-
     # ---- events in (loop thread) -----------------------------------------------------------
     def accept(self, room: int, rid: str, addr: str, prompt_len: int, hint: int | None) -> None:
-        with self._addrs_lock:
-            self._addrs[addr] = self._addrs.get(addr, 0) + 1
+        self.link.watch(addr)  # until the room's pages are free: unwatched at its report or release
         self._step(DecodeAccept(room, rid, addr, prompt_len, hint, now=time.monotonic()))
 
     def on_message(self, sender: dict, raw: dict) -> None:
@@ -141,12 +129,8 @@ class DecodeReceiver:
 
     # ---- progress (loop thread) ------------------------------------------------------------
     def poll(self, now: float | None = None) -> list[HandoffDone]:
-        while True:
-            try:
-                kind, fields = self.events.get_nowait()
-            except queue.Empty:
-                break
-            self._step(kind(**fields, now=time.monotonic()))
+        for ev in self.inbox.drain():
+            self._step(dataclasses.replace(ev, now=time.monotonic()))
         now = time.monotonic() if now is None else now
         self._step(Tick(now=now))
         out, self._finished = self._finished, []
@@ -165,18 +149,12 @@ class DecodeReceiver:
                     self._apply(e)
 
     def _apply(self, e: DecodeEffect) -> None:
-        if isinstance(e, Resolve):
-            self.resolve(e.addr, e.room, e.hint)
-        elif isinstance(e, CancelResolve):
-            self.cancel_resolve(e.addr, e.room)
+        if isinstance(e, LINK_EFFECTS):
+            self.link.execute(e)
         elif isinstance(e, SendKvReq):
             self.pool.submit(self._send_req, e.room, e.resolved, e.req)
         elif isinstance(e, SendAbort):
             self._submit(self._quiet_send, e.peer, wire.to_wire(e.msg))
-        elif isinstance(e, GiveUp):
-            self._submit(self.give_up, e.addr, e.room, e.reason)
-        elif isinstance(e, Invalidate):
-            self.invalidate(e.addr)
         elif isinstance(e, Log):
             log.log(e.level, "%s", e.message, extra={"room": e.room})
         elif isinstance(e, DecodeReport):
@@ -184,13 +162,13 @@ class DecodeReceiver:
             if e.held:  # still watched: the heartbeat's word on its prefill can release it
                 self._held.add(e.done.room)
             else:
-                self._unwatch(e.addr)
+                self.link.unwatch(e.addr)
         elif isinstance(e, Release):
             log.info("decode dp_rank %d: room %d: pages out of quarantine", self.dp_rank, e.room,
                      extra={"room": e.room})
             self._held.discard(e.room)
             self._released.append(e.room)
-            self._unwatch(e.addr)
+            self.link.unwatch(e.addr)
         else:  # pragma: no cover - a new effect without a handler here
             raise TypeError(f"unknown effect {e!r}")
 
@@ -211,14 +189,6 @@ class DecodeReceiver:
         except RuntimeError:  # closed
             pass
 
-    def _unwatch(self, addr: str) -> None:
-        with self._addrs_lock:
-            n = self._addrs.get(addr, 1) - 1
-            if n <= 0:
-                self._addrs.pop(addr, None)
-            else:
-                self._addrs[addr] = n
-
     @staticmethod
     def _peer(res: Resolved) -> dict:
         """The prefill rank's transfer endpoint descriptor."""
@@ -236,7 +206,7 @@ class DecodeReceiver:
                 log.exception("decode dp_rank %d: sending kv_req of room %d crashed", self.dp_rank, room,
                               extra={"room": room})
             err = f"room {room}: sending metadata to prefill {res.addr} dp_rank {res.rank} failed: {e}"
-        self._post(KvReqSent, room=room, sent_at=sent_at, error=err)
+        self.inbox.post(KvReqSent(room, sent_at, err))
 
     def _quiet_send(self, peer: dict, msg: dict) -> None:
         try:
@@ -258,16 +228,28 @@ class DecodeReceiver:
     def inflight(self) -> int:
         return len(self.rooms)
 
-    def preallocated(self) -> int:
+    def with_pages(self) -> set[int]:
         """Rooms holding reserved pages while they wait for (or just got) their KV, quarantined
         ones included."""
-        return sum(1 for r in self.rooms.values() if r.reservation is not None)
+        return {room for room, r in self.rooms.items() if r.reservation is not None}
+
+    def preallocated(self) -> int:
+        return len(self.with_pages())
 
     def states(self) -> dict[str, int]:
         """Rooms by handoff state; quarantined ones (failed, pages held) count apart."""
         return dict(Counter(r.state.value if r.state is DecodeState.QUARANTINED else r.state.phase.value
                             for r in self.rooms.values()))
 
+    def stats(self) -> dict:
+        """What server_info shows of the handoffs (a decode worker's stats)."""
+        m = self.machine
+        return {"preallocated_requests": self.preallocated(), "handoff_states": self.states(),
+                "queued_handoffs": m.queued(), "quarantined_handoffs": m.quarantined(),
+                "admission": {"queued_handoffs": m.queued(), "refused_handoffs": dict(m.refused),
+                              "max_queued_handoffs": m.queue.max_queued,
+                              "handoff_queue_timeout": m.queue.timeout}}
+
     def close(self, wait: bool = False) -> None:
-        """Stop the send threads; `wait` joins them."""
+        """Stop the send threads; `wait` joins them (the link is its owner's to close)."""
         self.pool.shutdown(wait=wait, cancel_futures=True)

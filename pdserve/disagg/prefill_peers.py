@@ -6,7 +6,8 @@ Thread-safe: the resolver's threads, the query batcher and the heartbeat share o
 An answer with a new instance id (the prefill restarted on the same port) drops the topology
 and endpoints learned from the old one. `topology(max_age_s=...)` first asks /health when the
 server has been silent for longer, so a restart is noticed before stale endpoints are used; a
-server the heartbeat gave up (`mark_gone`) fails new rooms at once unless it answers again.
+server the heartbeat gave up (`mark_gone`) fails new rooms at once unless it answers again, but
+only one that answered before: a server never reached is retried until each room's deadline.
 """
 
 from __future__ import annotations
@@ -102,12 +103,17 @@ class PrefillPeers:
             self._answered(addr, "")
         return found_failed
 
-    def mark_gone(self, addr: str, reason: str) -> None:
+    def mark_gone(self, addr: str, reason: str) -> bool:
         """The heartbeat gave `addr` up: forget what it said, and fail new rooms naming it at
-        once with `reason` until it answers again (topology)."""
+        once with `reason` until it answers again (topology). A server never heard from is not
+        marked (-> False): it may still be starting, so new rooms retry it until their deadline."""
         with self._lock:
             peer = self._peer(addr)
-            peer.topology, peer.endpoints, peer.gone = None, {}, reason
+            peer.topology, peer.endpoints = None, {}
+            if peer.heard == float("-inf"):
+                return False
+            peer.gone = reason
+            return True
 
     def invalidate(self, addr: str) -> None:
         """Forget the topology and endpoints of `addr` (e.g. a send to a cached endpoint failed)."""

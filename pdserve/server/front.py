@@ -130,7 +130,7 @@ class Front:
         ids = self.tokenizer.encode("Hi", add_special_tokens=True)[-4:] or [0]
         item = RequestItem(0, f"health_generate_{uuid.uuid4().hex}", ids,
                            SamplingParams(max_new_tokens=1, temperature=0.0), True)
-        active = gen.start([item], Dispatch(rank, "health_generate"))
+        active = gen.start([item], Dispatch(rank, "health_generate", health_check=True))
         try:
             async def run():
                 async for prog in active.events():

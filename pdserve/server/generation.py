@@ -59,7 +59,7 @@ class ActiveRequest:
     def send_all(self) -> None:
         for it, d in self._where.values():
             req = GenerateReq(it.rid, it.input_ids, it.sampling, it.return_logprob, d.pd, time.time(), d.reason,
-                              it.top_logprobs, it.prompt_logprobs)
+                              it.top_logprobs, it.prompt_logprobs, d.health_check)
             self._gen.pool.submit(d.dp_rank, req, self._sink)
             self._sent.add(it.rid)
             self.progress[it.rid].dispatched(d.dp_rank, d.reason)

@@ -18,11 +18,13 @@ from .protocol import RequestItem
 
 @dataclass(frozen=True)
 class Dispatch:
-    """Where one item goes: the DP rank, why (for logs and timelines), and its PD parameters."""
+    """Where one item goes: the DP rank, why (for logs and timelines), and its PD parameters;
+    `health_check`: the front's own /health_generate probe (each role's worker runs it alone)."""
 
     dp_rank: int
     reason: str
     pd: PDParams | None = None
+    health_check: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,33 +1,31 @@
 """The decode role: receive each request's KV from its prefill worker, then decode it.
 
-DecodeReceiver resolves the prefill rank, reserves pages through the engine and waits for the
-KV; on success the request joins the engine's running batch from the prefill's first token. A
-failed room whose prefill may still write its pages (quarantined) is answered at once, but its
-pages stay reserved in the engine until the receiver releases them.
+Built once at start: the PrefillLink (everything about the prefill servers: rank resolution,
+endpoints, heartbeats, /fail_room and /drop_room), the DecodeReceiver on it (the handoffs: it
+reserves pages through the engine and waits for the KV), and a ColocatedRole for the requests
+this decode runs alone (health checks, prompts it prefills itself). On success the request joins
+the engine's running batch from the prefill's first token. A failed room whose prefill may still
+write its pages (quarantined) is answered at once, but its pages stay reserved in the engine
+until the receiver releases them.
 """
 
 from __future__ import annotations
-
-import logging
 
 from ..core.envs import Envs
 from ..core.errors import PDServeError
 from ..core.logprobs import PromptLogprobs
 from ..core.messages import GenerateReq, TokenOutput
-from ..disagg.bootstrap_client import BootstrapClient, bootstrap_addr
-from ..disagg.heartbeat import Heartbeat
+from ..disagg.bootstrap_client import bootstrap_addr
 from ..disagg.decode_admission import HandoffQueue
 from ..disagg.decode_events import Reservation
-from ..disagg.kv_receiver import DecodeReceiver
-from ..disagg.prefill_peers import PrefillPeers
-from ..disagg.rank_resolver import RankResolver
+from ..disagg.kv_receiver import DecodeReceiver, ReceiverLimits
+from ..disagg.prefill_link import LinkSettings, PrefillLink
 from .admission import GenerationReserve, PoolArithmetic
 from .colocated import ColocatedRole
 from .pd_common import log_handoff, require_pd, start_backend
 from .pump import MessagePump
 from .role import WorkerRole, engine_request, error_output, to_token_output
 
-log = logging.getLogger(__name__)
 TRANSFER_IO_TIMEOUT_S = 60.0  # the io_timeout of the built-in backends (tcp, nixl, mooncake's control path)
 
 
@@ -44,29 +42,19 @@ class DecodeRole(WorkerRole):
     def start(self) -> dict:
         envs, cfg = self.ctx.envs, self.ctx.cfg
         self.backend, self.local = start_backend(self.ctx)
-        self.client = BootstrapClient(timeout=envs.topology_timeout,
-                                      token=cfg.bootstrap_token or envs.bootstrap_token)
         self.pending: dict[int, GenerateReq] = {}  # room -> request, until its KV arrived
         self.rooms: dict[str, int] = {}  # rid -> room
         self.quarantined: dict[int, str] = {}  # room -> rid: answered, its pages still reserved
-        self.peers = PrefillPeers(self.client)  # all this decode knows of each prefill server
+        self.link = PrefillLink(LinkSettings.of(cfg, envs))  # all this decode knows of each prefill
         self.receiver = DecodeReceiver(
-            self.backend, self.dp_rank, self.local, resolve=self._resolve, cancel_resolve=self._cancel,
-            reserve=self._reserve, waiting_timeout=envs.waiting_timeout, wake=self.ctx.wake,
-            invalidate=self.peers.invalidate, give_up=self._give_up,
-            admission=HandoffQueue(cfg.max_queued_handoffs, cfg.handoff_queue_timeout),
-            quarantine=quarantine_timeout(envs, self.backend))
+            self.backend, self.dp_rank, self.local, link=self.link, reserve=self._reserve, wake=self.ctx.wake,
+            limits=ReceiverLimits(waiting_timeout=envs.waiting_timeout,
+                                  quarantine=quarantine_timeout(envs, self.backend),
+                                  queue=HandoffQueue(cfg.max_queued_handoffs, cfg.handoff_queue_timeout)))
         self.pool_math = PoolArithmetic(self.engine, self.local["page_size"],
                                         GenerationReserve(cfg.num_reserved_decode_tokens))
-        self.resolver = RankResolver(
-            self.peers, decode_force=cfg.force_query_prefill_dp_rank or envs.force_query_prefill_dp_rank,
-            topology_timeout=envs.topology_timeout, query_timeout=envs.dp_rank_query_timeout,
-            on_result=self.receiver.on_resolved, revalidate_after=envs.heartbeat_interval)
-        self.heartbeat = Heartbeat(self.peers, interval=envs.heartbeat_interval,
-                                   max_failures=envs.heartbeat_max_failure,
-                                   watched=self.receiver.watched, on_gone=self.receiver.on_gone,
-                                   on_alive=self.receiver.on_alive)
         self.pump = MessagePump(self.backend, self.ctx.wake)
+        self.local_role = ColocatedRole(self.ctx)  # health checks and prompts this decode prefills
         self.local_max = cfg.disagg_local_prefill_max_tokens
         self.overload = cfg.disagg_prefill_overload_tokens
         self.local_meta: dict[str, dict] = {}  # rid -> meta for the first output of a local prefill
@@ -76,28 +64,14 @@ class DecodeRole(WorkerRole):
         """Pages for a room's prompt, reusing what this decode's prefix cache holds of it, if
         they and the generation reserves fit (worker/admission.py); None: it waits its turn."""
         req = self.pending[self.rooms[rid]]
-        held = {r.rid: (len(q.input_ids), q.sampling.max_new_tokens)
-                for room, q in self.pending.items()
-                if (r := self.receiver.rooms.get(room)) is not None and r.reservation is not None}
+        reserved = self.receiver.with_pages()
+        held = {q.rid: (len(q.input_ids), q.sampling.max_new_tokens)
+                for room, q in self.pending.items() if room in reserved}
         return self.pool_math.admit(rid, req.input_ids, req.sampling.max_new_tokens, held)
 
-    def _give_up(self, addr: str, room: int, reason: str) -> None:
-        """Best effort (receiver thread): without it the prefill keeps the room to its deadline."""
-        try:
-            self.client.fail_room(addr, room, reason)
-        except PDServeError as e:
-            log.warning("room %d: could not tell prefill %s that this decode gave it up: %s",
-                        room, addr, e, extra={"room": room})
-
-    def _resolve(self, addr: str, room: int, hint: int | None) -> None:
-        self.resolver.resolve(addr, room, hint)
-
-    def _cancel(self, addr: str, room: int) -> None:
-        self.resolver.cancel(addr, room)
-
     def on_generate(self, req: GenerateReq) -> list[TokenOutput]:
-        if req.pd is None and req.dispatch_reason == "health_generate":
-            return ColocatedRole(self.ctx).on_generate(req)
+        if req.health_check:  # the front's /health_generate: this worker alone, no handoff
+            return self.local_role.on_generate(req)
         try:
             require_pd(req, "decode")
             self.engine.validate(engine_request(req))
@@ -129,7 +103,7 @@ class DecodeRole(WorkerRole):
         if self.local_max and missing <= self.local_max:
             return missing, (f"{missing} prompt tokens not in its cache, --disagg-local-prefill-max-tokens "
                              f"{self.local_max}")
-        load = self.peers.load_tokens(bootstrap_addr(req.pd.bootstrap_host, req.pd.bootstrap_port)) \
+        load = self.link.load_tokens(bootstrap_addr(req.pd.bootstrap_host, req.pd.bootstrap_port)) \
             if self.overload else None
         if load is not None and load > self.overload:
             return missing, (f"the prefill reported {load} prompt tokens in flight, "
@@ -142,24 +116,15 @@ class DecodeRole(WorkerRole):
         that it stops computing it (sending the notice after the first token instead measured no
         faster here; docs/benchmarks.md, "Conditional disaggregation")."""
         room = req.pd.bootstrap_room
-        out = ColocatedRole(self.ctx).on_generate(req)
+        out = self.local_role.on_generate(req)
         if out:  # refused by the engine: the prefill leg must not wait for us either
             return out
         self.local_meta[req.rid] = {"disaggregation": "local", "bootstrap_room": room,
                                     "decode_dp_rank": self.dp_rank, "local_prefill_tokens": missing,
                                     "local_prefill_reason": why}
         reason = f"decode dp_rank {self.dp_rank} prefilled it ({why})"
-        addr = bootstrap_addr(req.pd.bootstrap_host, req.pd.bootstrap_port)
-        self.receiver.pool.submit(self._drop_room, addr, room, reason)
+        self.link.drop_room(bootstrap_addr(req.pd.bootstrap_host, req.pd.bootstrap_port), room, reason)
         return []
-
-    def _drop_room(self, addr: str, room: int, reason: str) -> None:
-        """Best effort (receiver thread): without it the prefill holds the room to its deadline."""
-        try:
-            self.client.drop_room(addr, room, reason)
-        except PDServeError as e:
-            log.warning("room %d: could not tell prefill %s to drop it: %s", room, addr, e,
-                        extra={"room": room})
 
     def on_abort(self, rid: str, reason: str) -> list[TokenOutput]:
         if rid in self.quarantined.values():  # answered already; its pages wait for the receiver
@@ -222,20 +187,12 @@ class DecodeRole(WorkerRole):
         return self.receiver.inflight()
 
     def stats_extra(self) -> dict:
-        machine = self.receiver.machine
-        return {"preallocated_requests": self.receiver.preallocated(),
-                "handoff_states": self.receiver.states(),
-                "queued_handoffs": machine.queued(),
-                "quarantined_handoffs": machine.quarantined(),
-                "admission": {"queued_handoffs": machine.queued(), "refused_handoffs": dict(machine.refused),
-                              "max_queued_handoffs": machine.queue.max_queued,
-                              "handoff_queue_timeout": machine.queue.timeout,
-                              "num_reserved_decode_tokens": self.pool_math.reserve.tokens}}
+        stats = self.receiver.stats()
+        stats["admission"]["num_reserved_decode_tokens"] = self.pool_math.reserve.tokens
+        return stats
 
     def close(self) -> None:
-        self.heartbeat.close()
-        self.resolver.close()
+        self.link.close()
         self.pump.close()
         self.receiver.close()
         self.backend.close()
-        self.client.close()

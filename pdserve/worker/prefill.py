@@ -46,7 +46,7 @@ class PrefillRole(WorkerRole):
         return {"transfer_endpoint": ep}
 
     def on_generate(self, req: GenerateReq) -> list[TokenOutput]:
-        if req.pd is None and req.dispatch_reason == "health_generate":
+        if req.health_check:  # the front's /health_generate: this worker alone, no handoff
             return self.local_role.on_generate(req)
         try:
             require_pd(req, "prefill")

@@ -16,13 +16,13 @@ from pdserve.core.failures import FailureCause
 from pdserve.disagg import wire
 from pdserve.disagg.bootstrap_table import RankInfo
 from pdserve.disagg.handoff import HandoffState
-from pdserve.disagg.kv_receiver import DecodeReceiver
+from pdserve.disagg.kv_receiver import DecodeReceiver, ReceiverLimits
 from pdserve.disagg.kv_sender import PrefillSender
 from pdserve.disagg.resolution import Resolved
 from pdserve.transfer.base import layout_to_dict
 from pdserve.transfer.fake import FakeBackend, FakeFabric
-from handoff_harness import (AUX, FP, PAGE_SIZE, PROMPT, SRC, PagePool, make_memory, pages_of, poll_until,
-                             pump)
+from handoff_harness import (AUX, FP, PAGE_SIZE, PROMPT, SRC, FakePrefillLink, PagePool, make_memory, pages_of,
+                             poll_until, pump)
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]
 S = HandoffState
@@ -39,6 +39,7 @@ class Trio:
     home: PrefillSender
     holder: PrefillSender
     receiver: DecodeReceiver
+    prefills: FakePrefillLink
     holder_mem: np.ndarray
     decode_mem: np.ndarray
     holder_ep: dict
@@ -54,7 +55,7 @@ class Trio:
 
     def decode_sends(self, room: int = ROOM, instance: str = "inst-1") -> None:
         self.receiver.accept(room, f"d-{room}", ADDR, PROMPT, None)
-        self.receiver.on_resolved(self.resolved(room, instance))
+        self.prefills.resolved(self.resolved(room, instance))
         assert self.receiver.poll() == []
 
     def to_home(self, n: int = 1) -> list[dict]:
@@ -84,9 +85,10 @@ def trio(request) -> Trio:
     home = PrefillSender(bes[0], 0, local[0], bootstrap_timeout=30.0, instance_id="inst-1")
     holder = PrefillSender(bes[1], HOLDER, local[1], bootstrap_timeout=30.0, instance_id="inst-1")
     pool = PagePool([9, 3, 4, 12, 13, 14])
-    receiver = DecodeReceiver(bes[2], 0, local[2], resolve=lambda *a: None, cancel_resolve=lambda *a: None,
-                              reserve=pool, waiting_timeout=30.0, abort_grace=5.0)
-    t = Trio(bes[0], bes[1], bes[2], home, holder, receiver, mems[1][0], mems[2][0], eps[1], pool)
+    prefills = FakePrefillLink()
+    receiver = DecodeReceiver(bes[2], 0, local[2], link=prefills, reserve=pool,
+                              limits=ReceiverLimits(waiting_timeout=30.0, abort_grace=5.0))
+    t = Trio(bes[0], bes[1], bes[2], home, holder, receiver, prefills, mems[1][0], mems[2][0], eps[1], pool)
     request.addfinalizer(t.close)
     return t
 
@@ -180,7 +182,7 @@ def test_a_kv_req_resolved_against_another_instance_is_refused_at_once(trio):
     info = RankInfo(dp_rank=HOLDER, dp_size=2, rank_ip=ep["ip"], rank_port=ep["port"], page_size=PAGE_SIZE,
                     kv_cache_dtype="float32", load_balance_method="follow_bootstrap_room", fingerprint=FP,
                     endpoint=ep, transfer_backend="fake")
-    trio.receiver.on_resolved(Resolved(ROOM, ADDR, HOLDER, "fast", info, res.instance_id))
+    trio.prefills.resolved(Resolved(ROOM, ADDR, HOLDER, "fast", info, res.instance_id))
     assert trio.receiver.poll() == []
     trio.to_holder()
     assert ROOM not in trio.holder.early

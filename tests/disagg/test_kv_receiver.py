@@ -1,6 +1,6 @@
 """DecodeReceiver step by step against a PrefillSender (tests/handoff_harness.py), plus the
-Heartbeat that fails a gone prefill's rooms and one full handoff through the real RankResolver
-and a ThreadedBootstrap on 127.0.0.1."""
+Heartbeat that fails a gone prefill's rooms and one full handoff through a real PrefillLink
+(resolver, heartbeat) and a ThreadedBootstrap on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pdserve.disagg.bootstrap_table import BootstrapTable, RankInfo
 from pdserve.disagg.decode_rooms import DecodeState
 from pdserve.disagg.handoff import HandoffState
 from pdserve.disagg.heartbeat import Heartbeat
-from pdserve.disagg.rank_resolver import RankResolver
+from pdserve.disagg.prefill_link import LinkSettings, PrefillLink
 from handoff_harness import (ADDR, AUX, FP, PAGE_SIZE, PROMPT, ROOM, SRC, WAIT_S, Link, assert_idle,
                              assert_pages_landed, make_link, pump)
 
@@ -46,7 +46,7 @@ def kv_done(room: int = ROOM) -> dict:
 def test_accept_asks_the_resolver_and_watches_the_address(link):
     link.receiver.accept(ROOM, "d-1", ADDR, PROMPT, 1)
     assert link.resolves == [(ADDR, ROOM, 1)]
-    assert link.receiver.watched() == {ADDR}
+    assert link.prefills.watched() == {ADDR}
     assert link.receiver.rooms[ROOM].handoff.state is S.BOOTSTRAPPING
     assert link.receiver.poll() == [] and link.pool.calls == []  # nothing reserved before resolution
 
@@ -85,7 +85,7 @@ def test_kv_done_before_the_sent_event_is_handled(link):
     link.sender.accept(ROOM, "p-1", PROMPT)
     link.sender.prefill_done(ROOM, SRC, dict(AUX))
     accept(link)
-    link.receiver.on_resolved(link.resolved())
+    link.prefills.resolved(link.resolved())
     assert link.receiver.poll() == []
     link.to_prefill()
     assert link.prefill_done()[0].ok
@@ -116,7 +116,7 @@ def test_kv_done_before_kv_req_is_ignored(link):
 # ---- resolution, reservation, sending ---------------------------------------------------------
 def test_resolution_error_fails_without_contacting_the_prefill(link):
     accept(link)
-    link.receiver.on_resolved(link.resolved(error=f"room {ROOM}: prefill {ADDR}: unreachable"))
+    link.prefills.resolved(link.resolved(error=f"room {ROOM}: prefill {ADDR}: unreachable"))
     [ddone] = link.receiver.poll()
     assert not ddone.ok and "unreachable" in ddone.reason
     assert link.pool.calls == [] and link.prefill_be.recv(0.05) == []
@@ -128,7 +128,7 @@ def test_reserve_none_delays_kv_req_until_pages_free(request):
     lk = make_link(free=[0, 1])  # 2 free pages, the prompt needs 3
     request.addfinalizer(lk.close)
     accept(lk)
-    lk.receiver.on_resolved(lk.resolved())
+    lk.prefills.resolved(lk.resolved())
     for _ in range(3):
         assert lk.receiver.poll() == []
     room = lk.receiver.rooms[ROOM]
@@ -151,7 +151,7 @@ def test_reserve_waits_count_against_the_waiting_timeout(request):
     lk = make_link(free=[])
     request.addfinalizer(lk.close)
     accept(lk)
-    lk.receiver.on_resolved(lk.resolved())
+    lk.prefills.resolved(lk.resolved())
     assert lk.receiver.poll() == []
     t0 = lk.receiver.rooms[ROOM].handoff.created
     [ddone] = lk.receiver.poll(now=t0 + 30.1)
@@ -164,7 +164,7 @@ def test_reserve_waits_count_against_the_waiting_timeout(request):
 def test_kv_req_send_failure_fails_naming_room_and_prefill(link):
     link.decode_be.faults.fail_sends = 1
     accept(link)
-    link.receiver.on_resolved(link.resolved())
+    link.prefills.resolved(link.resolved())
     [ddone] = link.decode_done()
     assert not ddone.ok and f"room {ROOM}" in ddone.reason and ADDR in ddone.reason
     assert "injected send failure" in ddone.reason and "dp_rank 0" in ddone.reason
@@ -221,7 +221,7 @@ def test_decode_abort_before_resolution(link):
     [ddone] = link.receiver.poll()
     assert not ddone.ok and ddone.reason == "client went away"
     assert link.cancels == [(ADDR, ROOM)]
-    link.receiver.on_resolved(link.resolved())  # a late answer is dropped
+    link.prefills.resolved(link.resolved())  # a late answer is dropped
     assert link.receiver.poll() == [] and link.pool.calls == []
     assert link.prefill_be.recv(0.05) == []
 
@@ -230,7 +230,7 @@ def test_decode_abort_while_waiting_for_pages(request):
     lk = make_link(free=[])
     request.addfinalizer(lk.close)
     accept(lk)
-    lk.receiver.on_resolved(lk.resolved())
+    lk.prefills.resolved(lk.resolved())
     assert lk.receiver.poll() == []
     lk.receiver.abort(ROOM, "client went away")
     [ddone] = lk.receiver.poll()  # at once: no pages of ours that a write could reach
@@ -277,12 +277,12 @@ def test_on_gone_fails_only_that_address_rooms(link):
     accept(link, 1, ADDR)
     accept(link, 2, ADDR_B)
     accept(link, 3, ADDR)
-    assert link.receiver.watched() == {ADDR, ADDR_B}
-    link.receiver.on_gone(ADDR, "prefill server is gone")
+    assert link.prefills.watched() == {ADDR, ADDR_B}
+    link.prefills.gone(ADDR, "prefill server is gone")
     done = link.receiver.poll()
     assert sorted(d.room for d in done) == [1, 3]
     assert all(not d.ok and "prefill server is gone" in d.reason for d in done)
-    assert link.receiver.watched() == {ADDR_B}
+    assert link.prefills.watched() == {ADDR_B}
     assert link.receiver.rooms[2].handoff.state is S.BOOTSTRAPPING
 
 
@@ -291,7 +291,7 @@ def test_on_gone_releases_a_room_waiting_for_an_abort_answer(link):
     link.wait_decode_state(ROOM, S.WAITING_FOR_INPUT)
     link.receiver.abort(ROOM, "client went away")
     assert link.receiver.poll() == []
-    link.receiver.on_gone(ADDR, "prefill server is gone")
+    link.prefills.gone(ADDR, "prefill server is gone")
     [ddone] = link.receiver.poll()
     assert ddone.reason == "client went away"
 
@@ -313,10 +313,10 @@ class StubHealth:
 
 @pytest.fixture
 def heartbeat_of(request):
-    def make(client, receiver, max_failures: int = 2) -> Heartbeat:
-        peers = client if isinstance(client, PrefillPeers) else PrefillPeers(client)
-        hb = Heartbeat(peers, interval=3600.0, max_failures=max_failures,
-                       watched=receiver.watched, on_gone=receiver.on_gone, on_alive=receiver.on_alive)
+    def make(client, lk: Link, max_failures: int = 2) -> Heartbeat:
+        """A heartbeat over `client` posting into `lk`'s receiver, beaten by hand (`beat_all`)."""
+        hb = Heartbeat(PrefillPeers(client), interval=3600.0, max_failures=max_failures,
+                       watched=lk.prefills.watched, post=lk.receiver.inbox.post)
         request.addfinalizer(hb.close)
         return hb
     return make
@@ -324,7 +324,7 @@ def heartbeat_of(request):
 
 def test_heartbeat_misses_fail_only_the_silent_prefill(link, heartbeat_of):
     client = StubHealth({ADDR: None, ADDR_B: "b-1"})
-    hb = heartbeat_of(client, link.receiver)
+    hb = heartbeat_of(client, link)
     accept(link, 1, ADDR)
     accept(link, 2, ADDR_B)
     hb.beat_all()
@@ -341,7 +341,7 @@ def test_heartbeat_misses_fail_only_the_silent_prefill(link, heartbeat_of):
 
 def test_heartbeat_miss_count_resets_on_an_answer(link, heartbeat_of):
     client = StubHealth({ADDR: None})
-    hb = heartbeat_of(client, link.receiver)
+    hb = heartbeat_of(client, link)
     accept(link)
     hb.beat_all()
     client.answers[ADDR] = "a-1"
@@ -353,9 +353,9 @@ def test_heartbeat_miss_count_resets_on_an_answer(link, heartbeat_of):
 
 def test_heartbeat_restarted_prefill_fails_its_rooms(link, heartbeat_of):
     client = StubHealth({ADDR: "inst-1"})
-    hb = heartbeat_of(client, link.receiver)
+    hb = heartbeat_of(client, link)
     accept(link)
-    link.receiver.on_resolved(link.resolved())  # resolved against instance inst-1
+    link.prefills.resolved(link.resolved())  # resolved against instance inst-1
     hb.beat_all()
     assert link.receiver.poll() == []
     client.answers[ADDR] = "inst-2"
@@ -368,11 +368,11 @@ def test_heartbeat_after_an_idle_restart_spares_the_new_rooms(link, heartbeat_of
     """Issue 14 item 4: the prefill restarted while this decode had nothing in flight; a room
     still resolving against the new instance must not be failed as 'restarted'."""
     client = StubHealth({ADDR: "inst-1"})
-    hb = heartbeat_of(client, link.receiver)
+    hb = heartbeat_of(client, link)
     accept(link, 1)
-    link.receiver.on_resolved(link.resolved(1))
+    link.prefills.resolved(link.resolved(1))
     hb.beat_all()
-    link.receiver.on_gone(ADDR, "done")  # room 1 ends; nothing in flight
+    link.prefills.gone(ADDR, "done")  # room 1 ends; nothing in flight
     link.decode_done()
     client.answers[ADDR] = "inst-2"  # restarted while idle
     accept(link, 2)  # resolving
@@ -382,8 +382,8 @@ def test_heartbeat_after_an_idle_restart_spares_the_new_rooms(link, heartbeat_of
 
 def test_heartbeat_thread_beats_on_its_own(link, request):
     client = StubHealth({ADDR: None})
-    hb = Heartbeat(PrefillPeers(client), interval=0.01, max_failures=1, watched=link.receiver.watched,
-                   on_gone=link.receiver.on_gone)
+    hb = Heartbeat(PrefillPeers(client), interval=0.01, max_failures=1, watched=link.prefills.watched,
+                   post=link.receiver.inbox.post)
     request.addfinalizer(hb.close)
     accept(link)
     [ddone] = link.decode_done()
@@ -401,20 +401,17 @@ def bootstrap(request):
     return table, server, client
 
 
-def test_full_handoff_through_rank_resolver(request, bootstrap, heartbeat_of):
+def test_full_handoff_through_a_prefill_link(request, bootstrap):
     table, server, client = bootstrap
-    lk = make_link()
+    plink = PrefillLink(LinkSettings(topology_timeout=2.0, query_timeout=2.0, heartbeat_interval=3600.0), client)
+    request.addfinalizer(plink.close)
+    lk = make_link(prefills=plink)
     request.addfinalizer(lk.close)
     ep = lk.p_local["endpoint"]
     table.register_rank(RankInfo(dp_rank=0, dp_size=1, rank_ip="127.0.0.1", rank_port=ep["port"],
                                  page_size=PAGE_SIZE, kv_cache_dtype="float32",
                                  load_balance_method="auto", fingerprint=FP, endpoint=ep,
                                  transfer_backend="fake"))
-    peers = PrefillPeers(client)  # shared by the resolver and the heartbeat, as in a decode worker
-    resolver = RankResolver(peers, decode_force=False, topology_timeout=2.0, query_timeout=2.0,
-                            on_result=lk.receiver.on_resolved)
-    request.addfinalizer(lambda: resolver.close(wait=True))
-    lk.receiver.resolve, lk.receiver.cancel_resolve = resolver.resolve, resolver.cancel
     lk.sender.accept(ROOM, "p-1", PROMPT)
     lk.sender.prefill_done(ROOM, SRC, dict(AUX))
     lk.receiver.accept(ROOM, "d-1", server.addr, PROMPT, None)
@@ -426,7 +423,7 @@ def test_full_handoff_through_rank_resolver(request, bootstrap, heartbeat_of):
     assert ddone.meta["resolve_s"] >= 0
     assert_pages_landed(lk, SRC, [9, 3, 4])
     # a second room, then the prefill's bootstrap service goes away: the heartbeat notices
-    hb = heartbeat_of(peers, lk.receiver)
+    hb = plink.heartbeat
     lk.receiver.accept(ROOM + 1, "d-2", server.addr, PROMPT, None)
     deliver_when_resolved(lk)
     hb.beat_all()

@@ -88,7 +88,7 @@ def test_a_prompt_the_decode_holds_whole_moves_no_bytes(request):
     reuse(lk, [HELD, 12], 2, prefix_key(ids, PAGE_SIZE, 2))
     lk.sender.accept(ROOM, "p-1", 8, ids)
     lk.receiver.accept(ROOM, f"d-{ROOM}", ADDR, 8, None)
-    lk.receiver.on_resolved(lk.resolved(ROOM))
+    lk.prefills.resolved(lk.resolved(ROOM))
     assert lk.receiver.poll() == []
     [req] = lk.to_prefill()
     assert req["dst_pages"] == [] and req["reused_pages"] == 2

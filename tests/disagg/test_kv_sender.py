@@ -136,7 +136,7 @@ def test_backend_mismatch_fails_the_decode_at_resolution(request):
     lk = make_link(decode_local={"backend": "tcp"})
     request.addfinalizer(lk.close)
     lk.receiver.accept(ROOM, f"d-{ROOM}", ADDR, PROMPT, None)
-    lk.receiver.on_resolved(lk.resolved(ROOM))
+    lk.prefills.resolved(lk.resolved(ROOM))
     [ddone] = lk.receiver.poll()
     assert not ddone.ok and f"room {ROOM}" in ddone.reason
     assert "'fake'" in ddone.reason and "'tcp'" in ddone.reason

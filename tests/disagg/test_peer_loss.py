@@ -16,6 +16,7 @@ from pdserve.disagg.bootstrap_client import BootstrapClient, BootstrapError, Hea
 from pdserve.disagg.prefill_peers import PrefillPeers
 from pdserve.disagg.bootstrap_server import ThreadedBootstrap
 from pdserve.disagg.bootstrap_table import BootstrapTable, RankInfo
+from pdserve.disagg.decode_events import PeerAlive, PeerGone
 from pdserve.disagg.decode_rooms import DecodeState
 from pdserve.disagg.handoff import HandoffState
 from pdserve.disagg.heartbeat import Heartbeat
@@ -43,7 +44,7 @@ def resolve(lk: Link, room: int, rank: int | None, instance: str = "inst-1") -> 
     lk.receiver.accept(room, f"d-{room}", ADDR, 8, None)
     if rank is not None:
         res = lk.resolved(room, rank)
-        lk.receiver.on_resolved(Resolved(room, ADDR, rank, "fast", res.info, instance))
+        lk.prefills.resolved(Resolved(room, ADDR, rank, "fast", res.info, instance))
     lk.receiver.poll()
 
 
@@ -108,7 +109,7 @@ def test_gone_ranks_fail_only_rooms_resolved_to_them(link):
     resolve(link, 1, rank=0)
     resolve(link, 2, rank=1)
     resolve(link, 3, rank=None)  # still resolving: its own lookup will find the rank gone
-    link.receiver.on_gone(ADDR, "prefill h:1 dp_rank 1 is gone: died", ranks=frozenset({1}))
+    link.prefills.gone(ADDR, "prefill h:1 dp_rank 1 is gone: died", ranks=frozenset({1}))
     out = failed(link)
     assert list(out) == [2] and out[2] == "room 2 (prefill dp_rank 1): prefill h:1 dp_rank 1 is gone: died"
     assert set(link.receiver.rooms) == {1, 3}
@@ -118,7 +119,7 @@ def test_restart_fails_only_rooms_resolved_against_another_instance(link):
     resolve(link, 1, rank=0, instance="new")
     resolve(link, 2, rank=0, instance="old")
     resolve(link, 3, rank=None)  # still resolving: its resolution sees the new instance
-    link.receiver.on_alive(ADDR, "new")
+    link.prefills.alive(ADDR, "new")
     out = failed(link)
     assert list(out) == [2] and "restarted (instance old -> new); its rooms are lost" in out[2]
     assert set(link.receiver.rooms) == {1, 3}
@@ -128,16 +129,16 @@ def test_a_restart_while_idle_spares_rooms_of_the_new_instance(link):
     """Issue 14 item 4: rooms resolved against instance A finished; the prefill restarted as B
     while the decode was idle; a new room resolving (and then resolved) against B must live."""
     resolve(link, 1, rank=0, instance="A")
-    link.receiver.on_alive(ADDR, "A")
-    link.receiver.on_gone(ADDR, "its worker died", ranks=frozenset({0}))  # ends room 1, pages and all
+    link.prefills.alive(ADDR, "A")
+    link.prefills.gone(ADDR, "its worker died", ranks=frozenset({0}))  # ends room 1, pages and all
     failed(link)
     assert link.receiver.rooms == {}
     resolve(link, 2, rank=None)  # resolving against B
-    link.receiver.on_alive(ADDR, "B")
+    link.prefills.alive(ADDR, "B")
     assert link.receiver.poll() == []
     res = link.resolved(2, 0)
-    link.receiver.on_resolved(Resolved(2, ADDR, 0, "query", res.info, "B"))
-    link.receiver.on_alive(ADDR, "B")
+    link.prefills.resolved(Resolved(2, ADDR, 0, "query", res.info, "B"))
+    link.prefills.alive(ADDR, "B")
     assert link.receiver.poll() == [] and not link.receiver.rooms[2].handoff.done
 
 
@@ -150,12 +151,12 @@ def test_an_unheard_prefill_fails_the_room_at_once_and_its_late_kv_done_frees_th
     until the write's kv_done says nothing more can land."""
     link.sender.accept(ROOM, "p-1", PROMPT)
     link.deliver_req()
-    link.receiver.on_gone(ADDR, UNHEARD)
+    link.prefills.gone(ADDR, UNHEARD)
     [done] = poll_until(link.receiver.poll)
     assert not done.ok and done.reason == f"room {ROOM} (prefill dp_rank 0): {UNHEARD}"
     assert done.meta["failure_cause"] == "peer_gone"
     assert link.receiver.holds(ROOM) and link.receiver.released() == [] and link.receiver.inflight() == 1
-    assert link.receiver.states() == {"quarantined": 1} and link.receiver.watched() == {ADDR}
+    assert link.receiver.states() == {"quarantined": 1} and link.prefills.watched() == {ADDR}
     link.sender.prefill_done(ROOM, SRC, dict(AUX))  # healed: the prefill writes the room's pages
     [pdone] = link.prefill_done()
     assert pdone.ok  # for the prefill the handoff worked
@@ -168,9 +169,9 @@ def test_an_unheard_prefill_fails_the_room_at_once_and_its_late_kv_done_frees_th
 
 def test_the_same_prefill_heard_again_is_asked_and_its_answer_frees_the_pages(link):
     link.deliver_req()  # the prefill has the kv_req but not the request: it would wait
-    link.receiver.on_gone(ADDR, UNHEARD)
+    link.prefills.gone(ADDR, UNHEARD)
     poll_until(link.receiver.poll)
-    link.receiver.on_alive(ADDR, "inst-1")  # the link healed, the same instance answers
+    link.prefills.alive(ADDR, "inst-1")  # the link healed, the same instance answers
     assert link.receiver.poll() == []
     [abort] = link.to_prefill()
     assert abort["t"] == wire.KV_ABORT and abort["room"] == ROOM and "missed 2 heartbeats" in abort["reason"]
@@ -183,12 +184,12 @@ def test_the_same_prefill_heard_again_is_asked_and_its_answer_frees_the_pages(li
 
 def test_a_quarantine_without_word_ends_at_its_deadline(link):
     link.deliver_req()
-    link.receiver.on_gone(ADDR, UNHEARD)
+    link.prefills.gone(ADDR, UNHEARD)
     poll_until(link.receiver.poll)
     t = link.receiver.rooms[ROOM].entered[DecodeState.QUARANTINED]
     assert link.receiver.poll(now=t + 359.0) == [] and link.receiver.released() == []
     assert link.receiver.poll(now=t + 360.5) == [] and link.receiver.released() == [ROOM]
-    assert link.receiver.inflight() == 0 and link.receiver.watched() == set()
+    assert link.receiver.inflight() == 0 and link.prefills.watched() == set()
 
 
 # ---- heartbeat -----------------------------------------------------------------------------------
@@ -210,19 +211,18 @@ def test_heartbeat_reports_gone_ranks_and_the_live_instance_of_every_answer():
     client, calls, alive = StubClient(), [], []
     peers = PrefillPeers(client)
     hb = Heartbeat(peers, interval=3600.0, max_failures=2, watched=lambda: {ADDR},
-                   on_gone=lambda addr, reason, **kw: calls.append((addr, reason, kw)),
-                   on_alive=lambda addr, inst: alive.append((addr, inst)))
+                   post=lambda ev: (calls if isinstance(ev, PeerGone) else alive).append(ev))
     try:
         hb.beat_all()
         assert calls == []
         client.gone = {1: "process pid 9 exited with code -9"}
         hb.beat_all()
-        assert calls == [(ADDR, f"prefill {ADDR} dp_rank 1 is gone: process pid 9 exited with code -9",
-                          {"ranks": frozenset({1})})]
+        assert calls == [PeerGone(ADDR, f"prefill {ADDR} dp_rank 1 is gone: process pid 9 exited with code -9",
+                                  ranks=frozenset({1}))]
         calls.clear()
         client.gone, client.instance = {}, "b"
         hb.beat_all()
-        assert calls == [] and alive == [(ADDR, "a"), (ADDR, "a"), (ADDR, "b")]
+        assert calls == [] and alive == [PeerAlive(ADDR, "a"), PeerAlive(ADDR, "a"), PeerAlive(ADDR, "b")]
         client.load = 4096  # the prefill's load rides on its /health: kept per address
         hb.beat_all()
         assert peers.load_tokens(ADDR) == 4096 and peers.load_tokens("other:1") is None
@@ -230,7 +230,7 @@ def test_heartbeat_reports_gone_ranks_and_the_live_instance_of_every_answer():
         hb.beat_all()
         assert peers.misses(ADDR) == 1
         hb.beat_all()
-        assert peers.misses(ADDR) == 0 and "missed 2 heartbeats" in calls[-1][1]
+        assert peers.misses(ADDR) == 0 and "missed 2 heartbeats" in calls[-1].reason
     finally:
         hb.close()
 
@@ -250,8 +250,7 @@ def test_a_prefill_the_heartbeat_gave_up_fails_new_rooms_at_once():
         return TOPO
     client.fetch_topology = fetch_topology
     peers = PrefillPeers(client)
-    hb = Heartbeat(peers, interval=3600.0, max_failures=2, watched=lambda: {ADDR},
-                   on_gone=lambda addr, reason, **kw: None)
+    hb = Heartbeat(peers, interval=3600.0, max_failures=2, watched=lambda: {ADDR}, post=lambda ev: None)
     try:
         with pytest.raises(BootstrapError, match="no answer for 30"):  # never reached: retried
             client.instance = None

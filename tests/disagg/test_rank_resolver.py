@@ -19,7 +19,8 @@ from pdserve.disagg.prefill_peers import PrefillPeers
 from pdserve.disagg.bootstrap_server import ThreadedBootstrap
 from pdserve.disagg.bootstrap_table import BootstrapTable, RankInfo
 from pdserve.disagg.dp_rules import conflict_message
-from pdserve.disagg.rank_resolver import QueryBatcher, RankResolver
+from pdserve.disagg.query_batcher import QueryBatcher
+from pdserve.disagg.rank_resolver import RankResolver
 from pdserve.disagg.resolution import Resolved
 from handoff_harness import WAIT_S
 

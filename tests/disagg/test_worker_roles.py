@@ -26,6 +26,7 @@ from pdserve.core.sampling import SamplingParams
 from pdserve.disagg import kv_receiver
 from pdserve.disagg.bootstrap_server import ThreadedBootstrap
 from pdserve.disagg.bootstrap_table import BootstrapTable
+from pdserve.disagg.decode_events import PeerGone
 from pdserve.engine import sequence as engine_sequence
 from pdserve.transfer.fake import FakeFabric
 from pdserve.worker import pd_common
@@ -195,10 +196,10 @@ class PD:
 def _close_role(role: WorkerRole) -> None:
     """role.close() for a started role; for one whose start() failed, whatever it had started."""
     if hasattr(role, "pump") and hasattr(role, "backend") and (
-            hasattr(role, "sender") or hasattr(role, "heartbeat")):
+            hasattr(role, "sender") or hasattr(role, "receiver")):
         role.close()
         return
-    for part in ("heartbeat", "resolver", "pump", "sender", "receiver", "backend", "client"):
+    for part in ("link", "pump", "sender", "receiver", "backend"):
         if hasattr(role, part):
             getattr(role, part).close()
 
@@ -554,7 +555,7 @@ def test_request_without_pd_fields_is_refused_and_health_checks_run_locally(pd, 
     plain = dataclasses.replace(pd.req("x-1"), pd=None)
     [out] = w.generate(plain)
     assert out.finished and out.error.status == 400 and "bootstrap_room" in out.error.message
-    health = dataclasses.replace(pd.req("h-1", max_new=3), pd=None, dispatch_reason="health_generate")
+    health = dataclasses.replace(pd.req("h-1", max_new=3), pd=None, health_check=True)
     assert w.generate(health) == []
     pd.finish()
     assert w.final("h-1").error is None and w.tokens("h-1") == fake_continuation(PROMPT, 3, VOCAB)
@@ -574,7 +575,7 @@ def test_decode_prefills_itself_when_the_prefill_is_overloaded(pd, when):
     request arrived), ends it with a success and no transfer."""
     decode = pd.decode.role
     decode.overload = 100
-    decode.peers.load_tokens = lambda addr: 5000  # what the prefill's last /health said
+    decode.link.load_tokens = lambda addr: 5000  # what the prefill's last /health said
     if when == "after_request":
         pd.prefill.generate(pd.req("p-1"))
     pd.decode.generate(pd.req("d-1"))
@@ -594,7 +595,7 @@ def test_decode_prefills_itself_when_the_prefill_is_overloaded(pd, when):
 def test_a_decode_below_the_overload_bound_uses_the_prefill(pd):
     decode = pd.decode.role
     decode.overload = 100
-    decode.peers.load_tokens = lambda addr: 50
+    decode.link.load_tokens = lambda addr: 50
     pd.prefill.generate(pd.req("p-1"))
     pd.decode.generate(pd.req("d-1"))
     pd.finish()
@@ -609,24 +610,18 @@ def test_the_drop_notice_goes_before_the_first_token(pd, overloaded):
     decode = pd.decode.role
     if overloaded:
         decode.overload = 100
-        decode.peers.load_tokens = lambda addr: 5000
+        decode.link.load_tokens = lambda addr: 5000
     else:
         decode.local_max = 64
-    sent: list[int] = []  # tokens the decode had sampled when each notice was handed to the pool
-    engine, real = pd.decode.engine, decode.receiver.pool
+    sent: list[int] = []  # tokens the decode had sampled when each notice was handed to the link
+    engine = pd.decode.engine
 
-    class Pool:  # the notice goes where the prefill front would pass it (RoomDroppedNotice)
-        def submit(self, fn, *args):
-            if fn != decode._drop_room:
-                return real.submit(fn, *args)
-            sent.append(next((len(s.output_ids) for s in engine.running if s.req.rid == "d-1"), 0))
-            _, room, reason = args
-            pd.prefill.role.on_room_dropped(room, reason)
+    def drop_room(addr: str, room: int, reason: str) -> None:
+        """The notice goes where the prefill front would pass it (RoomDroppedNotice)."""
+        sent.append(next((len(s.output_ids) for s in engine.running if s.req.rid == "d-1"), 0))
+        pd.prefill.role.on_room_dropped(room, reason)
 
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-    decode.receiver.pool = Pool()
+    decode.link.drop_room = drop_room
     pd.prefill.generate(pd.req("p-1"))
     pd.decode.generate(pd.req("d-1"))
     assert sent == [0]
@@ -648,8 +643,8 @@ def test_an_unheard_prefill_mid_write_fails_the_client_at_once_and_frees_the_pag
     pd.decode.generate(pd.req("d-1"))
     pd.drive(backend.writing.is_set, "the KV write started")
     addr = f"127.0.0.1:{pd.boot.port}"
-    decode.receiver.on_gone(addr, f"prefill bootstrap {addr} missed 2 heartbeats (1.0s apart): "
-                                  "prefill server is gone")  # as the heartbeat reports it
+    decode.receiver.inbox.post(PeerGone(addr, f"prefill bootstrap {addr} missed 2 heartbeats (1.0s apart): "
+                                              "prefill server is gone"))  # as the heartbeat reports it
     pd.drive(lambda: pd.decode.final("d-1") is not None, "the decode's answer")
     assert_failed(pd.decode.final("d-1"), f"room {ROOM}", "missed 2 heartbeats")
     assert "d-1" in pd.decode.engine.held  # the write may still land in them

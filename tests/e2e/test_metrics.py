@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster import ROOT, Server, free_port, pd_body, post_both, run, stop_all  # noqa: E402
 from fake_worker import write_fake_model  # noqa: E402
+from handoff_harness import FakePrefillLink  # noqa: E402
 from tiny_model import make_tiny_model  # noqa: E402
 
 from pdserve.core.errors import BadRequest  # noqa: E402
@@ -30,7 +31,8 @@ from pdserve.core.kv_layout import KVLayout  # noqa: E402
 from pdserve.core.messages import ErrorInfo, TokenOutput, WorkerStats  # noqa: E402
 from pdserve.core.sampling import SamplingParams  # noqa: E402
 from pdserve.disagg.bootstrap_table import RankInfo  # noqa: E402
-from pdserve.disagg.kv_receiver import DecodeReceiver  # noqa: E402
+from pdserve.disagg.kv_receiver import DecodeReceiver, ReceiverLimits  # noqa: E402
+from pdserve.disagg.decode_events import RankResolved  # noqa: E402
 from pdserve.disagg.kv_sender import PrefillSender  # noqa: E402
 from pdserve.disagg.resolution import Resolved  # noqa: E402
 from pdserve.router.metrics import RouterMetrics  # noqa: E402
@@ -189,8 +191,8 @@ def test_transfer_speed_is_bytes_over_the_backends_own_write_calls(monkeypatch):
                  "layout": layout_to_dict(lay), "endpoint": be.start(lay)}
                 for be, lay in ((pb, p_layout), (db, d_layout))]
         sender = PrefillSender(pb, 0, locs[0], bootstrap_timeout=30)
-        receiver = DecodeReceiver(db, 1, locs[1], resolve=lambda *a: None, cancel_resolve=lambda *a: None,
-                                  reserve=lambda rid, n: list(range(pages)), waiting_timeout=30)
+        receiver = DecodeReceiver(db, 1, locs[1], link=FakePrefillLink(), reserve=lambda rid, n: list(range(pages)),
+                                  limits=ReceiverLimits(waiting_timeout=30))
         ep = locs[0]["endpoint"]
         info = RankInfo(dp_rank=0, dp_size=1, rank_ip=ep["ip"], rank_port=ep["port"], page_size=PAGE_SIZE,
                         kv_cache_dtype="float32", load_balance_method="auto", fingerprint=fp, endpoint=ep,
@@ -198,7 +200,8 @@ def test_transfer_speed_is_bytes_over_the_backends_own_write_calls(monkeypatch):
         prompt = pages * PAGE_SIZE
         sender.accept(room, "p", prompt)
         receiver.accept(room, "d", "x:1", prompt, None)
-        receiver.on_resolved(Resolved(room, "x:1", 0, "single", info, "i", topology_at=1.0, resolved_at=1.0))
+        receiver.inbox.post(RankResolved(Resolved(room, "x:1", 0, "single", info, "i", topology_at=1.0,
+                                                  resolved_at=1.0)))
         sender.prefill_done(room, list(range(pages))[::-1], {"first_token": 5, "prompt_len": prompt})
         p_done, d_done, end = [], [], time.monotonic() + 30
         while not (p_done and d_done):
