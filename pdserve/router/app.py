@@ -32,7 +32,8 @@ from .info_routes import InfoRoutes
 from .legs import LegClient
 from .metrics import RouterMetrics
 from .pd_body import Route, inspect_request, parse_client_body
-from .pd_proxy import PDProxy, error_response
+from .pd_errors import error_response
+from .pd_proxy import PDProxy
 from .policies import Policy, make_policy
 from .upstream import Upstream, UpstreamPool
 

@@ -35,29 +35,13 @@ from .deadline import Deadline
 from .legs import LegClient, LegError, LegErrorKind, OpenStream, cancel_task, consume
 from .metrics import RouterMetrics
 from .migration import Migration, StreamRelay, blocker, continuation, request_body
-from .pd_body import RequestShape, encode, leg_bodies, merge_input_logprobs, mint_rooms, routing_key
+from .pd_body import RequestShape, leg_bodies, merge_input_logprobs, mint_rooms, routing_key
+from .pd_errors import StreamBroke, either_done, error_response, write_stream_error
 from .upstream import Pair, Upstream, UpstreamPool
 
 log = logging.getLogger("pdserve.router.pd_proxy")
-_DONE = b"data: [DONE]\n\n"
 STREAM_ERROR_WRITE_TIMEOUT_S = 5.0
 PREFILL_VERDICT_GRACE_S = 0.5  # how long a failed decode leg waits for the prefill's own error
-
-
-def error_body(status: int, message: str, type: str, sent: dict | None = None) -> bytes:
-    """The router's error object; `sent`: the failing server's own (LegError.sent), whose fields
-    other than message and type (code, param, ...) the client gets as that server sent them."""
-    err = {"message": message, "type": type, "code": status}
-    if sent:
-        err.update({k: v for k, v in sent.items() if k not in ("message", "type")})
-    return encode({"error": err})
-
-
-def error_response(status: int, message: str, type: str, sent: dict | None = None,
-                   retry_after: str | None = None) -> web.Response:
-    headers = {"Retry-After": retry_after} if retry_after else None
-    return web.Response(status=status, body=error_body(status, message, type, sent), content_type="application/json",
-                        headers=headers)
 
 
 class PDProxy:
@@ -90,14 +74,6 @@ class PDProxy:
     async def close(self) -> None:
         for task in list(self._background):
             await cancel_task(task)
-
-
-class StreamBroke(Exception):
-    """A leg failed after the client's stream was committed; `err` is the failure to report."""
-
-    def __init__(self, err: LegError):
-        super().__init__(err.message)
-        self.err = err
 
 
 class PDExchange:
@@ -170,7 +146,7 @@ class PDExchange:
                 raise Timeout(message) from None
             try:
                 async with asyncio.timeout(STREAM_ERROR_WRITE_TIMEOUT_S):
-                    await self._write_stream_error(Timeout.status, message, Timeout.type)
+                    await write_stream_error(self.response, Timeout.status, message, Timeout.type)
             except TimeoutError:
                 pass  # the client does not read; drop it
             return self.response
@@ -227,7 +203,7 @@ class PDExchange:
             self.p.metrics.migrations.labels("failed").inc()
         if self.response is None:
             return error_response(err.status, message, err.type, err.sent, err.retry_after)
-        await self._write_stream_error(err.status, message, err.type, err.sent)
+        await write_stream_error(self.response, err.status, message, err.type, err.sent)
         return self.response
 
     def _client_auth(self) -> str | None:
@@ -299,7 +275,7 @@ class PDExchange:
                 raise prefill.exception()
             if decode.done():
                 break
-            await self._either_done(prefill, decode)
+            await either_done(self.p.loop, prefill, decode)
         err = decode.exception()
         if err is not None:
             if not prefill.done() and isinstance(err, LegError) and err.status >= 500:
@@ -307,22 +283,6 @@ class PDExchange:
                 if prefill.done() and isinstance(prefill.exception(), LegError):
                     raise prefill.exception()
             raise err
-
-    async def _either_done(self, a: asyncio.Task, b: asyncio.Task) -> None:
-        """Wait until a or b is done (asyncio.wait costs a getpid() syscall on Python 3.11)."""
-        waiter = self.p.loop.create_future()
-
-        def wake(_: asyncio.Task) -> None:
-            if not waiter.done():
-                waiter.set_result(None)
-
-        a.add_done_callback(wake)
-        b.add_done_callback(wake)
-        try:
-            await waiter
-        finally:
-            a.remove_done_callback(wake)
-            b.remove_done_callback(wake)
 
     async def _stream(self, stream: OpenStream, prefill: asyncio.Task) -> web.StreamResponse:
         """Commit decode's status (the first decode's: a continuation streams on into the same
@@ -380,11 +340,3 @@ class PDExchange:
         await self._cancel(prefill, "prefill", reason)
         if not stream.at_eof():  # closed by the caller's finally
             self.p.metrics.cancelled_legs.labels("decode", reason).inc()
-
-    async def _write_stream_error(self, status: int, message: str, type: str, sent: dict | None = None) -> None:
-        assert self.response is not None
-        try:
-            await self.response.write(b"data: " + error_body(status, message, type, sent) + b"\n\n" + _DONE)
-            await self.response.write_eof()
-        except (ConnectionError, RuntimeError):
-            pass  # the client is gone too
