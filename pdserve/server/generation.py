@@ -25,6 +25,7 @@ from .metrics import FrontMetrics
 from .protocol import RequestItem
 from .request_state import ItemProgress
 from .roles import Dispatch, FrontRole
+from .stall_watch import STALLED, StallWatch
 from .tokenizer import ServerTokenizer
 from .worker_pool import WorkerPool
 
@@ -82,36 +83,38 @@ class ActiveRequest:
 
     async def events(self) -> AsyncIterator[ItemProgress]:
         timeout = self._gen.limits.output_timeout_s
-        while self.unfinished():
-            # not asyncio.wait_for: on 3.11 it can swallow a cancellation (client gone) that
-            # races with an arriving output, and the request would then run to its end
-            getter = asyncio.ensure_future(self._sink.get())
-            try:
-                done, _ = await asyncio.wait({getter}, timeout=timeout)
-            finally:
-                if not getter.done():
-                    getter.cancel()
-            if done:
-                out = getter.result()
-            else:
-                pending = self.unfinished()
-                ranks = sorted({self._where[r][1].dp_rank for r in pending})
-                raise Timeout(f"no output for {timeout:.0f}s from dp ranks {ranks} for rids {pending}") from None
-            prog = self.progress.get(out.rid)
-            if prog is None or prog.finished:
-                continue
-            n_before, prev_token_at = len(prog.output_ids), prog.last_token_at
-            if prog.apply(out):
-                self._gen.pool.abort(out.rid, "stop string matched")
-            self._note_reuse(prog)
-            self._gen.metrics.tokens_arrived(prog, len(prog.output_ids) - n_before, prev_token_at)
-            if prog.finished:
-                self._release(out.rid)
-                self._gen.metrics.item_finished(prog)
-                if log.isEnabledFor(logging.DEBUG):
-                    tl = prog.timeline()
-                    log.debug("timeline", extra=fields(rid=prog.rid, room=tl.get("bootstrap_room"), timeline=tl))
-            yield prog
+        watch = StallWatch(asyncio.get_running_loop(), timeout, self._sink)
+        try:
+            while self.unfinished():
+                out = await self._sink.get()
+                if out is STALLED:
+                    pending = self.unfinished()
+                    ranks = sorted({self._where[r][1].dp_rank for r in pending})
+                    raise Timeout(f"no output for {timeout:.0f}s from dp ranks {ranks} for rids {pending}")
+                watch.saw_output()
+                prog = self._apply(out)
+                if prog is not None:
+                    yield prog
+        finally:
+            watch.cancel()
+
+    def _apply(self, out: TokenOutput) -> ItemProgress | None:
+        """Fold one worker output into its item's progress; None if that item already ended."""
+        prog = self.progress.get(out.rid)
+        if prog is None or prog.finished:
+            return None
+        n_before, prev_token_at = len(prog.output_ids), prog.last_token_at
+        if prog.apply(out):
+            self._gen.pool.abort(out.rid, "stop string matched")
+        self._note_reuse(prog)
+        self._gen.metrics.tokens_arrived(prog, len(prog.output_ids) - n_before, prev_token_at)
+        if prog.finished:
+            self._release(out.rid)
+            self._gen.metrics.item_finished(prog)
+            if log.isEnabledFor(logging.DEBUG):
+                tl = prog.timeline()
+                log.debug("timeline", extra=fields(rid=prog.rid, room=tl.get("bootstrap_room"), timeline=tl))
+        return prog
 
     def abort_item(self, rid: str, reason: str) -> bool:
         """End one unfinished item now (SGLang's /abort_request): its worker drops it and frees

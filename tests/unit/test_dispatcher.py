@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 import pytest
 
 from pdserve.core.config import Role, ServerConfig
-from pdserve.core.errors import BadRequest, Unavailable
+from pdserve.core.errors import BadRequest, Timeout, Unavailable
 from pdserve.core.messages import TokenOutput
 from pdserve.core.sampling import SamplingParams
 from pdserve.server.dispatcher import DPDispatcher, LBMethod
@@ -198,11 +199,12 @@ def test_pinned_dispatch_bypasses_the_role():
     active.close()
 
 
-def test_events_finish_release_and_stop_string_abort():
-    class Tok:
-        def decode(self, ids, skip_special_tokens=True):
-            return "".join(chr(ord("a") + i % 26) for i in ids)
+class Tok:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
 
+
+def test_events_finish_release_and_stop_string_abort():
     gen, pool, disp = make_generator()
     gen.tokenizer = Tok()  # type: ignore[assignment]
     it = RequestItem(0, "s", [1], SamplingParams(max_new_tokens=20, stop=("cd",)), True)
@@ -239,3 +241,49 @@ def test_minimum_tokens_counts_only_what_the_cache_did_not_hold():
 def test_dispatcher_refuses_unresolved_auto():
     with pytest.raises(ValueError, match="resolve"):
         DPDispatcher(2, LBMethod.AUTO)
+
+
+def test_no_output_for_the_timeout_is_a_timeout_naming_the_ranks_and_rids():
+    gen, pool, disp = make_generator()
+    gen.tokenizer = Tok()  # type: ignore[assignment]
+    gen.limits = Limits(64, 100, output_timeout_s=0.2)
+    active = gen.start([item(0), item(1)])
+
+    async def run():
+        pool.sink.put_nowait(TokenOutput("r0", [4], finished=True, finish_reason={"type": "length"}))
+        seen = []
+        with pytest.raises(Timeout, match=r"no output for 0s from dp ranks \[1\] for rids \['r1'\]"):
+            async for p in active.events():
+                seen.append(p.rid)
+        return seen
+
+    t0 = time.monotonic()
+    assert asyncio.run(run()) == ["r0"]
+    assert 0.15 < time.monotonic() - t0 < 5.0
+    active.close()
+    assert idle(disp)
+
+
+def test_outputs_that_keep_coming_or_wait_for_a_slow_reader_are_no_stall():
+    gen, pool, disp = make_generator()
+    gen.tokenizer = Tok()  # type: ignore[assignment]
+    gen.limits = Limits(64, 100, output_timeout_s=0.3)
+    active = gen.start([item(0)])
+
+    async def run():
+        async def feed():  # one output every 0.1 s for 0.6 s: twice the timeout in all
+            for k in range(6):
+                await asyncio.sleep(0.1)
+                pool.sink.put_nowait(TokenOutput("r0", [k], finished=k == 5, finish_reason={"type": "length"} if k == 5 else None))
+        feeder = asyncio.ensure_future(feed())
+        seen = []
+        async for p in active.events():
+            seen.append(len(p.output_ids))
+            if len(seen) == 2:
+                await asyncio.sleep(0.7)  # the reader is slow; the outputs wait in the queue
+        await feeder
+        return seen
+
+    assert asyncio.run(run())[-1] == 6
+    active.close()
+    assert idle(disp)
