@@ -55,7 +55,7 @@ def cluster(shared_servers, tmp_path_factory):
     servers = {"P": KnobServer("prefill", model, log_dir=logs), "D1": KnobServer("decode", model, log_dir=logs),
                "D2": KnobServer("decode", model, log_dir=logs)}
     P, D1, D2 = servers["P"], servers["D1"], servers["D2"]  # the routers wait for them (health checks)
-    proxy = TcpProxy(D2.port)
+    proxy = TcpProxy(("127.0.0.1", D2.port))
     routers = [Router([P], [D1, D2], "--migration-limit", "1", log_dir=logs),
                Router([P], [D2], "--migration-limit", "0", log_dir=logs),
                Router([P], [types.SimpleNamespace(url=f"http://127.0.0.1:{proxy.port}")], "--migration-limit", "1",
