@@ -1,7 +1,7 @@
 """Router overhead benchmark: latency and req/s at a fixed concurrency, direct vs pdserve vs sglang-router.
 
 `python -m pdserve.bench.router_bench` starts one fast prefill stub and one fast decode stub
-(tests/stub_pd_server.py), our router, and sglang-router 0.3.2 when it is installed, all on
+(tests/harness/stub_pd_server.py), our router, and sglang-router 0.3.2 when it is installed, all on
 127.0.0.1. Each round sends the same requests to every target in a rotating order: "direct"
 posts straight to the decode stub (a router that costs nothing), the routers post to both legs.
 It prints per-target medians over rounds of p50/p99/req/s, the added latency over direct, and
@@ -28,7 +28,7 @@ import aiohttp
 from ..core.launcher import ProcessGroup, free_port, stop_all
 
 REPO = Path(__file__).resolve().parents[2]
-STUB = REPO / "tests" / "stub_pd_server.py"
+STUB = REPO / "tests" / "harness" / "stub_pd_server.py"
 BOOTSTRAP_PORT = 18998
 
 

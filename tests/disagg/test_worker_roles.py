@@ -32,8 +32,8 @@ from pdserve.worker import pd_common
 from pdserve.worker.decode import DecodeRole
 from pdserve.worker.prefill import PrefillRole
 from pdserve.worker.role import RoleContext, WorkerRole
-from handoff_harness import GatedBackend
-from tests.fake_engine import FakeEngine, StepOutput, fake_continuation, fake_logprob
+from tests.harness.handoff_harness import GatedBackend
+from tests.harness.fake_engine import FakeEngine, StepOutput, fake_continuation, fake_logprob
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]
 
