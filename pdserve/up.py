@@ -1,7 +1,7 @@
 """`pdserve up`: a PD cluster on this machine (router + one prefill + one decode server).
 
-Starts the three as child processes (each in its own process group, output in a log file),
-waits until each answers /health, prints the URL and an example request, and stops every
+Starts the three as child processes (each in its own process group, output in a log file:
+core/launcher.py), waits until each answers /health, prints the URL and an example request, and stops every
 child on Ctrl-C or SIGTERM, start-up included. The children die with `up` however it dies
 (core/child_process.py: a parent-death signal), and their DP workers die with them.
 `--ask TEXT` sends one chat request through the router, prints only the answer on stdout, and
@@ -21,19 +21,18 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
 
-from .core.child_process import spawn_child
 from .core.cpu_binding import UP_DP, up_layout
+from .core.launcher import ProcessGroup, http_ok, stop_all
 from .core.netaddr import host_port, local_connect_host
 from .router.config import POLICY_NAMES
 
-STOP_GRACE_S = 20.0  # SIGTERM, then SIGKILL to the whole group
+STOP_GRACE_S = 20.0  # SIGTERM to each front, then SIGKILL to its whole group
 UP_BALANCE_ABS_THRESHOLD = 1  # cache_aware balances DP ranks whose loads differ by more than this
 
 
@@ -133,14 +132,6 @@ class StopSignals:
                 self._handle(self._pending, None)
 
 
-def _get(url: str, timeout: float = 2.0) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status
-    except (urllib.error.URLError, OSError):
-        return 0
-
-
 def _post(url: str, body: dict, timeout: float = 300.0) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:
@@ -148,14 +139,6 @@ def _post(url: str, body: dict, timeout: float = 300.0) -> dict:
             return json.loads(r.read())
     except urllib.error.HTTPError as e:
         raise RuntimeError(f"POST {url} -> {e.code}: {e.read().decode(errors='replace')[:1000]}") from None
-
-
-def _tail(path: str, n: int = 30) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return ""
 
 
 class Cluster:
@@ -166,17 +149,15 @@ class Cluster:
         self.signals = signals
         self.model_dir = model_dir
         self.log_dir = log_dir
-        self.procs: list[tuple[str, subprocess.Popen, str]] = []  # (name, process, log path)
+        self.groups: list[ProcessGroup] = []
         self.prefill_dp, self.decode_dp, p_cpus, d_cpus = up_layout(a.prefill_dp, a.decode_dp)
         self.prefill_cpus, self.decode_cpus = a.prefill_cpu_bind or p_cpus, a.decode_cpu_bind or d_cpus
 
     def _spawn(self, name: str, args: list[str]) -> None:
         cmd = [sys.executable, "-m", "pdserve", *args]
-        log_path = os.path.join(self.log_dir, f"{name}.log")
-        with self.signals.deferred(), open(log_path, "w") as log:
-            proc = spawn_child(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               start_new_session=True)  # from the main thread: it outlives them
-            self.procs.append((name, proc, log_path))
+        with self.signals.deferred():  # SIGTERM to the front alone: it stops its own workers
+            self.groups.append(ProcessGroup(cmd, name=name, log_path=os.path.join(self.log_dir, f"{name}.log"),
+                                            term_group=False, die_with_parent=True))  # from the main thread
 
     def start(self) -> None:
         a = self.a
@@ -210,41 +191,23 @@ class Cluster:
         return args + (["--dp-aware"] if a.dp_aware else [])
 
     def _wait(self, url: str, name: str) -> None:
-        deadline = time.monotonic() + self.a.start_timeout
-        while time.monotonic() < deadline:
-            self.check_alive()
-            if _get(url) == 200:
-                return
-            time.sleep(0.5)
-        raise RuntimeError(f"{name} did not become healthy at {url} within {self.a.start_timeout:.0f}s; "
-                           f"its log:\n{_tail(self._log_of(name))}")
+        """Until `url` answers; a child that exits meanwhile, or the deadline, is a RuntimeError."""
+        group = next(g for g in self.groups if g.name == name)
 
-    def _log_of(self, name: str) -> str:
-        return next(path for n, _, path in self.procs if n == name)
+        def healthy() -> bool:
+            self.check_alive()
+            return http_ok(url)
+        group.wait_healthy(healthy, self.a.start_timeout, what=url, poll_s=0.5)
 
     def check_alive(self) -> None:
-        for name, p, log_path in self.procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {p.returncode}; its log ({log_path}):\n"
-                                   f"{_tail(log_path)}")
+        for g in self.groups:
+            g.check_running()
 
     def stop(self) -> None:
-        """SIGTERM each child, wait up to STOP_GRACE_S, then SIGKILL its whole group (its workers too)."""
+        """SIGTERM each child (router first), wait up to STOP_GRACE_S, then SIGKILL its whole
+        group (its workers too)."""
         self.signals.ignore()
-        for _, p, _ in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for _, p, _ in reversed(self.procs):
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            try:  # leftovers of the group even when the front exited by itself
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            p.wait()
+        stop_all(reversed(self.groups), STOP_GRACE_S)
 
 
 def main(argv: list[str] | None = None) -> None:

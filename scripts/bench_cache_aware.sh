@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 PREFIXES=${PREFIXES:-8} SUFFIXES=${SUFFIXES:-4} PREFIX_LEN=${PREFIX_LEN:-512} SUFFIX_LEN=${SUFFIX_LEN:-32}
 CHATS=${CHATS:-5} TURNS=${TURNS:-4} OUTPUT_LEN=${OUTPUT_LEN:-16} CONC=${CONC:-2}
 pids=()
-port() { $PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+port() { $PY -c 'from pdserve.core.launcher import free_port; print(free_port())'; }
 stop_all() { for p in "${pids[@]}"; do kill -- -"$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done; pids=(); }
 trap 'stop; stop_all' EXIT
 up() {  # $1 url, $2 log

@@ -5,7 +5,7 @@ mkdir -p "$OUT"
 VLLM=${VLLM_CPU_TOOL:-../shared/tools/vllm-cpu}
 PY=.venv/bin/python
 MODEL_DIR=$($PY -c 'from pdserve.model_files.resolve import resolve_model; from pdserve.core.envs import Envs; print(resolve_model("smollm2-135m", Envs.read().cache_dir))')
-PORT=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+PORT=$($PY -c 'from pdserve.core.launcher import free_port; print(free_port())')
 URL=http://127.0.0.1:$PORT
 pid=""
 # which CPU every figure of the run came from

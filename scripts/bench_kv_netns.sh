@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `pdserve bench kv-remote` across two network namespaces joined by veth pairs on a bridge (as
-# tests/netns.py builds them): the sender in one, the receiver in the other, so every byte
+# tests/harness/netns.py builds them): the sender in one, the receiver in the other, so every byte
 # crosses veth -> bridge -> veth. Needs root. Removes everything it made on exit.
 #   sudo scripts/bench_kv_netns.sh [kv-remote run flags, e.g. --tokens 1024,8192 --backends tcp]
 #   (--backends tcp,tcp:4194304 puts the tcp backend with 4 MiB socket buffers beside the default;

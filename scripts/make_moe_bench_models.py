@@ -10,9 +10,9 @@ import sys
 import torch
 import transformers
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from fake_worker import write_fake_model  # noqa: E402
-from tiny_families import randomize  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.harness.fake_worker import write_fake_model  # noqa: E402
+from tests.harness.tiny_families import randomize  # noqa: E402
 
 COMMON = dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
               head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)

@@ -1,5 +1,6 @@
-"""Shared fixtures. The tests folder is on sys.path, so helper modules (cluster, fault_tools,
-handoff_harness, tiny_model, ...) import by their plain names."""
+"""Shared fixtures. The repo root is on sys.path, so the helpers import as `tests.harness.<module>`
+(cluster, fault_tools, handoff_harness, tiny_model, ...: see tests/harness/__init__.py), the name
+servers load the fake workers by as well."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import time
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from handoff_harness import THREAD_PREFIXES, WAIT_S, Link, make_link  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.harness.handoff_harness import THREAD_PREFIXES, WAIT_S, Link, make_link  # noqa: E402
 
 @pytest.fixture
 def no_stray_threads():
@@ -40,7 +41,7 @@ BORROWERS = pytest.StashKey()
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: count the modules that will run
 def pytest_collection_modifyitems(config, items):
-    from shared_servers import count_borrowers
+    from tests.harness.shared_servers import count_borrowers
 
     modules = {id(m): m for m in (getattr(i, "module", None) for i in items) if m is not None}
     config.stash[BORROWERS] = count_borrowers(modules.values())
@@ -50,8 +51,8 @@ def pytest_collection_modifyitems(config, items):
 def shared_servers(request, tmp_path_factory):
     """Plain servers, started once and lent to the e2e modules that declare them (see
     shared_servers.py); each stopped after its last borrower, the rest at the session's end."""
-    from fault_tools import shared_tiny_model
-    from shared_servers import SharedServers
+    from tests.harness.fault_tools import shared_tiny_model
+    from tests.harness.shared_servers import SharedServers
 
     pool = SharedServers(lambda: shared_tiny_model(tmp_path_factory),
                          str(tmp_path_factory.mktemp("shared_servers")), request.config.stash.get(BORROWERS, None))

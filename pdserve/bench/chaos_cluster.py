@@ -1,30 +1,20 @@
 """The cluster `pdserve bench chaos` breaks: two prefill and two decode servers, each behind a
 TcpProxy (so links can be cut), and one router in front of the proxies. Every server keeps its
 ports across restarts, so the router sees the same URL come back. Processes run in their own
-process groups and are stopped by group.
+process groups (core/launcher.py) and are stopped by group.
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
 
-from ..core.child_process import spawn_child
+from ..core.launcher import ProcessGroup, free_port, http_ok
 from .tcp_proxy import TcpProxy
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _children(pid: int) -> list[int]:
@@ -53,33 +43,11 @@ def proc_rss_kb(pid: int) -> int:
     return 0
 
 
-class Group:
-    """One command in its own process group, with its log file."""
-
-    def __init__(self, cmd: list[str], log_path: str, env: dict | None = None):
-        self.log = open(log_path, "a")
-        self.proc = spawn_child(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {})})  # dies with the bench, however it dies
-
-    def signal(self, sig: int) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pass
-        self.signal(signal.SIGKILL)  # whatever is left of the group (workers)
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        self.log.close()
+def start_group(cmd: list[str], log_path: str, env: dict | None = None) -> ProcessGroup:
+    """One command in its own process group, appending to its log (a restart keeps the log), and
+    dying with the bench however the bench dies."""
+    return ProcessGroup(cmd, name=os.path.basename(log_path).removesuffix(".log"), log_path=log_path,
+                        log_append=True, die_with_parent=True, env={**os.environ, **(env or {})})
 
 
 @dataclass
@@ -96,14 +64,14 @@ class ChaosServer:
     spawner: ThreadPoolExecutor | None = None
     port: int = field(default_factory=free_port)
     bootstrap_port: int | None = None
-    group: Group | None = None
+    group: ProcessGroup | None = None
     proxy: TcpProxy | None = None
     launches: int = 0
 
     def __post_init__(self):
         if self.role == "prefill":
             self.bootstrap_port = free_port()
-        self.proxy = TcpProxy(self.port)
+        self.proxy = TcpProxy(("127.0.0.1", self.port))
 
     @property
     def direct_url(self) -> str:
@@ -120,27 +88,17 @@ class ChaosServer:
         if self.bootstrap_port:
             cmd += ["--bootstrap-port", str(self.bootstrap_port)]
         log = os.path.join(self.log_dir, f"{self.name}.log")
-        self.group = self.spawner.submit(Group, cmd, log, self.env).result()
+        self.group = self.spawner.submit(start_group, cmd, log, self.env).result()
 
     def healthy(self) -> bool:
-        try:
-            return httpx.get(self.direct_url + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return http_ok(self.direct_url + "/health")
 
     def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.group.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.group.proc.returncode}; log in {self.log_dir}")
-            if self.healthy():
-                return
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.name} not ready in {timeout:.0f}s; log in {self.log_dir}")
+        self.group.wait_healthy(self.healthy, timeout, what=self.direct_url + "/health", poll_s=0.2)
 
     def worker_pids(self) -> list[int]:
         out = []
-        for pid in _children(self.group.proc.pid):
+        for pid in _children(self.group.pid):
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     if b"--dp-rank" in f.read().split(b"\0"):
@@ -150,7 +108,7 @@ class ChaosServer:
         return out
 
     def pids(self) -> list[int]:
-        return [self.group.proc.pid, *self.worker_pids()]
+        return [self.group.pid, *self.worker_pids()]
 
     def held_pages(self) -> int:
         """Pages neither free nor cached over every worker (0 when idle), or -1 if unreachable."""
@@ -173,7 +131,7 @@ class ChaosServer:
 @dataclass
 class ChaosCluster:
     servers: list[ChaosServer]
-    router: Group
+    router: ProcessGroup
     router_url: str
     spawner: ThreadPoolExecutor
 
@@ -194,7 +152,7 @@ class ChaosCluster:
                    "--port", str(port), "--log-level", "warning", *router_flags]
             for s in servers:
                 cmd += ["--prefill", s.url, str(s.bootstrap_port)] if s.role == "prefill" else ["--decode", s.url]
-            router = spawner.submit(Group, cmd, os.path.join(log_dir, "router.log"), env).result()
+            router = spawner.submit(start_group, cmd, os.path.join(log_dir, "router.log"), env).result()
             c = cls(servers, router, f"http://127.0.0.1:{port}", spawner)
             c.wait_router(timeout)
             return c
@@ -207,17 +165,8 @@ class ChaosCluster:
             raise
 
     def wait_router(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.router.proc.poll() is not None:
-                raise RuntimeError(f"the router exited with {self.router.proc.returncode}")
-            try:
-                if httpx.get(self.router_url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"the router is not healthy in {timeout:.0f}s")
+        self.router.wait_healthy(lambda: http_ok(self.router_url + "/health"), timeout,
+                                 what=self.router_url + "/health", poll_s=0.2)
 
     def close(self) -> None:
         self.router.stop()

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,44 +22,25 @@ import time
 
 import httpx
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ..core.launcher import ProcessGroup, free_port, http_ok
 
 
 class _Proc:
+    """One `pdserve serve` on free ports, in its own process group (core/launcher.py)."""
+
     def __init__(self, args: list[str]):
-        self.port = _free_port()
-        self.bootstrap_port = _free_port()
+        self.port = free_port()
+        self.bootstrap_port = free_port()
         cmd = [sys.executable, "-m", "pdserve", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--bootstrap-port", str(self.bootstrap_port), "--log-level", "warning", *args]
-        self.proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{self.port}"
+        self.group = ProcessGroup(cmd, name=f"server {self.url}", stdout=subprocess.DEVNULL)
 
     def wait(self, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server {self.url} exited with {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"server {self.url} not ready")
+        self.group.wait_healthy(lambda: http_ok(self.url + "/health", 1.0), timeout, what="/health", poll_s=0.3)
 
     def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=15)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        self.group.stop()
 
 
 def _prompt_ids(n: int, seed: int) -> list[int]:

@@ -1,7 +1,7 @@
 """Router overhead benchmark: latency and req/s at a fixed concurrency, direct vs pdserve vs sglang-router.
 
 `python -m pdserve.bench.router_bench` starts one fast prefill stub and one fast decode stub
-(tests/stub_pd_server.py), our router, and sglang-router 0.3.2 when it is installed, all on
+(tests/harness/stub_pd_server.py), our router, and sglang-router 0.3.2 when it is installed, all on
 127.0.0.1. Each round sends the same requests to every target in a rotating order: "direct"
 posts straight to the decode stub (a router that costs nothing), the routers post to both legs.
 It prints per-target medians over rounds of p50/p99/req/s, the added latency over direct, and
@@ -16,10 +16,7 @@ import asyncio
 import importlib.util
 import json
 import os
-import re
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,8 +25,10 @@ from pathlib import Path
 
 import aiohttp
 
+from ..core.launcher import ProcessGroup, free_port, stop_all
+
 REPO = Path(__file__).resolve().parents[2]
-STUB = REPO / "tests" / "stub_pd_server.py"
+STUB = REPO / "tests" / "harness" / "stub_pd_server.py"
 BOOTSTRAP_PORT = 18998
 
 
@@ -41,65 +40,41 @@ class RoundResult:
     errors: int
 
 
-class Process:
-    """A child process whose output goes to a temp file; `wait_line` finds a regex in it."""
-
-    def __init__(self, cmd: list[str]):
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="router-bench-", suffix=".log", delete=False)
-        env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.popen = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-
-    def wait_line(self, pattern: str, timeout: float = 60.0) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if m := re.search(pattern, Path(self.log.name).read_text(errors="replace")):
-                return m
-            if self.popen.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise RuntimeError(f"{self.popen.args} did not print {pattern!r}:\n{Path(self.log.name).read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(10)
-        if not self.log.closed:
-            self.log.close()
-            os.unlink(self.log.name)
+def start(procs: list[ProcessGroup], cmd: list[str], name: str) -> ProcessGroup:
+    """A child in its own process group, its output in a temp file (removed by `stop`)."""
+    fd, log = tempfile.mkstemp(prefix="router-bench-", suffix=".log")
+    os.close(fd)
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs.append(ProcessGroup(cmd, name=name, log_path=log, env=env, cwd=REPO))
+    return procs[-1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def stop(procs: list[ProcessGroup]) -> None:
+    stop_all(reversed(procs), grace_s=10.0)
+    for g in procs:
+        os.unlink(g.log_path)
 
 
-def start_stub(procs: list[Process], role: str) -> str:
-    proc = Process([sys.executable, str(STUB), "--role", role, "--port", "0", "--no-record", "--max-lifetime", "3600"])
-    procs.append(proc)
-    port = proc.wait_line(r"STUB READY port=(\d+)").group(1)
+def start_stub(procs: list[ProcessGroup], role: str) -> str:
+    proc = start(procs, [sys.executable, str(STUB), "--role", role, "--port", "0", "--no-record", "--max-lifetime",
+                         "3600"], f"{role} stub")
+    port = proc.wait_output(r"STUB READY port=(\d+)", 60.0).group(1)
     return f"http://127.0.0.1:{port}"
 
 
-def start_pdserve_router(procs: list[Process], prefill: str, decode: str) -> str:
-    proc = Process([sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", "0", "--prefill",
-                    prefill, str(BOOTSTRAP_PORT), "--decode", decode, "--log-level", "warning"])
-    procs.append(proc)
-    port = proc.wait_line(r"listening on http://127\.0\.0\.1:(\d+)").group(1)
+def start_pdserve_router(procs: list[ProcessGroup], prefill: str, decode: str) -> str:
+    proc = start(procs, [sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", "0", "--prefill",
+                         prefill, str(BOOTSTRAP_PORT), "--decode", decode, "--log-level", "warning"], "pdserve router")
+    port = proc.wait_output(r"listening on http://127\.0\.0\.1:(\d+)", 60.0).group(1)
     return f"http://127.0.0.1:{port}"
 
 
-def start_sglang_router(procs: list[Process], prefill: str, decode: str) -> str:
+def start_sglang_router(procs: list[ProcessGroup], prefill: str, decode: str) -> str:
     port = free_port()
-    proc = Process([sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill,
-                    str(BOOTSTRAP_PORT), "--decode", decode, "--host", "127.0.0.1", "--port", str(port),
-                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                    "--policy", "round_robin", "--log-level", "warn"])
-    procs.append(proc)
+    start(procs, [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill,
+                  str(BOOTSTRAP_PORT), "--decode", decode, "--host", "127.0.0.1", "--port", str(port),
+                  "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                  "--policy", "round_robin", "--log-level", "warn"], "sglang-router")
     return f"http://127.0.0.1:{port}"
 
 
@@ -210,7 +185,7 @@ def client_ab(args: argparse.Namespace, body: bytes) -> None:
         loop_factory = uvloop.new_event_loop
     except ImportError:
         loop_factory = None
-    procs: list[Process] = []
+    procs: list[ProcessGroup] = []
     try:
         decode = start_stub(procs, "decode")
         results: dict[str, list[tuple[float, float]]] = {"aiohttp": [], "http1": []}
@@ -221,8 +196,7 @@ def client_ab(args: argparse.Namespace, body: bytes) -> None:
                     results[kind].append(runner.run(client_round(kind, decode, body, args.requests,
                                                                  args.concurrency)))
     finally:
-        for proc in procs:
-            proc.stop()
+        stop(procs)
     print(f"\nleg client A/B: {args.rounds} rounds x {args.requests} POSTs to one stub, concurrency "
           f"{args.concurrency} (medians; CPU is this process: client + load loop)")
     med = {k: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for k, v in results.items()}
@@ -287,7 +261,7 @@ def main(argv=None) -> None:
     if args.client_ab:
         client_ab(args, body)
         return
-    procs: list[Process] = []
+    procs: list[ProcessGroup] = []
     try:
         prefill, decode = start_stub(procs, "prefill"), start_stub(procs, "decode")
         targets = {"direct": decode, "pdserve-router": start_pdserve_router(procs, prefill, decode)}
@@ -298,8 +272,7 @@ def main(argv=None) -> None:
         results = asyncio.run(bench(targets, body, args))
         print_table(summarize(results), args)
     finally:
-        for proc in reversed(procs):
-            proc.stop()
+        stop(procs)
 
 
 if __name__ == "__main__":

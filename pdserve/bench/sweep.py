@@ -17,8 +17,6 @@ import os
 import platform
 import shlex
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +26,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from ..core.config import add_dataclass_args, dataclass_from_args
+from ..core.launcher import ProcessGroup, free_port, http_ok, stop_all
 from .arrivals import ArrivalKind
 from .datasets import TokenCounter, random_requests
 from .serve import BenchConfig, BenchError, run as run_bench
@@ -162,12 +161,6 @@ def handoff_row(deployment: str, prompt_len: int, wall_s: float, meta: dict) -> 
     return row
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Deployment(ABC):
     """Server processes on 127.0.0.1 that answer /generate at the URL `start()` returns.
 
@@ -180,7 +173,7 @@ class Deployment(ABC):
         self.cfg, self.model_dir = cfg, model_dir
         self.log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="pdserve-sweep-")
         os.makedirs(self.log_dir, exist_ok=True)
-        self.procs: list[tuple[str, subprocess.Popen, str]] = []
+        self.groups: list[ProcessGroup] = []
 
     @abstractmethod
     def describe(self) -> str: ...
@@ -193,11 +186,11 @@ class Deployment(ABC):
         deadline = time.monotonic() + self.cfg.start_timeout
         url = self._launch(deadline)
         body = {"text": "warm up", "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
-        self._wait(url + "/generate", deadline, lambda u: httpx.post(u, json=body, timeout=60))
+        self._wait(url + "/generate", deadline, lambda u: _post_ok(u, body))
         return url
 
     def _serve(self, name: str, role: str, dp: int, workers: int, extra: list[str]) -> str:
-        port = _free_port()
+        port = free_port()
         threads = self.cfg.threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
         self._spawn(name, ["serve", "--role", role, "--model", self.model_dir, "--host", "127.0.0.1",
                            "--port", str(port), "--dp-size", str(dp), "--num-threads", str(threads),
@@ -206,51 +199,31 @@ class Deployment(ABC):
         return f"http://127.0.0.1:{port}"
 
     def _spawn(self, name: str, args: list[str]) -> None:
-        log_path = os.path.join(self.log_dir, f"{name}.log")
-        with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
-            proc = subprocess.Popen([sys.executable, "-m", "pdserve", *args], stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append((name, proc, log_path))
+        self.groups.append(ProcessGroup([sys.executable, "-m", "pdserve", *args], name=name,
+                                        log_path=os.path.join(self.log_dir, f"{name}.log")))
 
     def pids(self) -> list[int]:
-        return [proc.pid for _, proc, _ in self.procs]
+        return [g.pid for g in self.groups]
 
-    def _wait(self, url: str, deadline: float, get=lambda u: httpx.get(u, timeout=2)) -> None:
-        while True:
-            for name, proc, log_path in self.procs:
-                if proc.poll() is not None:
-                    with open(log_path) as f:
-                        tail = "".join(f.readlines()[-20:])
-                    raise RuntimeError(f"{name} (pid {proc.pid}) exited with code {proc.returncode} "
-                                       f"while starting; end of {log_path}:\n{tail}")
-            try:
-                if get(url).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{url} gave no 200 within --start-timeout {self.cfg.start_timeout:g}s "
-                                   f"(logs in {self.log_dir})")
-            time.sleep(0.5)
+    def _wait(self, url: str, deadline: float, ok=http_ok) -> None:
+        """Until `url` answers 200 by the deadline; any process of this deployment that exits
+        first fails the wait, naming itself with the end of its log."""
+        def ready() -> bool:
+            for g in self.groups:
+                g.check_running(" while starting")
+            return ok(url)
+        self.groups[-1].wait_healthy(ready, deadline - time.monotonic(), what=url, poll_s=0.5)
 
     def stop(self) -> None:
-        for _, proc, _ in reversed(self.procs):
-            _signal_group(proc, signal.SIGTERM)
-        for _, proc, _ in reversed(self.procs):
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
-            _signal_group(proc, signal.SIGKILL)  # the workers too, whatever became of the front
-            proc.wait()
-        self.procs = []
+        stop_all(reversed(self.groups), grace_s=20.0)  # by group: the DP workers too
+        self.groups = []
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def _post_ok(url: str, body: dict) -> bool:
     try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+        return httpx.post(url, json=body, timeout=60).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 class ColocatedDeployment(Deployment):
@@ -273,14 +246,14 @@ class PDDeployment(Deployment):
         return f"prefill dp={c.prefill_dp} + decode dp={c.decode_dp} + router, {c.transfer_backend}"
 
     def _launch(self, deadline: float) -> str:
-        c, bootstrap = self.cfg, _free_port()
+        c, bootstrap = self.cfg, free_port()
         workers, backend = c.prefill_dp + c.decode_dp, ["--transfer-backend", c.transfer_backend]
         prefill = self._serve("prefill", "prefill", c.prefill_dp, workers,
                               ["--bootstrap-port", str(bootstrap), *backend])
         decode = self._serve("decode", "decode", c.decode_dp, workers, backend)
         self._wait(prefill + "/health", deadline)
         self._wait(decode + "/health", deadline)
-        port = _free_port()
+        port = free_port()
         self._spawn("router", ["router", "--pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
                                "--prefill", prefill, str(bootstrap), "--decode", decode])
         url = f"http://127.0.0.1:{port}"

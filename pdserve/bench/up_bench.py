@@ -28,8 +28,6 @@ import math
 import os
 import re
 import shlex
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +35,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 
-from ..core.child_process import spawn_child
+from ..core.launcher import LaunchError, ProcessGroup, free_port
 from ..core.cpu_binding import available_cpus
 from .metrics import RequestRecord, Summary, stats_ms, summarize
 from .serve import BenchConfig, BenchError, run
@@ -47,14 +45,6 @@ TTFT_RATIO_TARGET = 1.2  # up's mean TTFT at most this times colocated's
 ITL_P99_RATIO_TARGET = 1.0  # up's ITL p99 at most colocated's
 REUSE_POINTS_TARGET = 5.0  # up's reused share of prompt tokens within this many points of colocated's
 STOP_TIMEOUT_S = 60.0  # `pdserve up` gives each child 20 s after SIGTERM
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _http(url: str, timeout: float = 10.0) -> tuple[int, bytes]:
@@ -67,41 +57,10 @@ def _http(url: str, timeout: float = 10.0) -> tuple[int, bytes]:
         return 0, b""
 
 
-def _tail(path: str, n: int = 20) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return ""
-
-
-class _Child:
-    """One process this bench started (in its own session: stopped with its whole group)."""
-
-    def __init__(self, cmd: list[str], log_path: str):
-        self.log_path = log_path
-        with open(log_path, "w") as log:
-            self.proc = spawn_child(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
-
-    def check(self, what: str) -> None:
-        if self.proc.poll() is not None:
-            raise BenchError(f"{what} exited with code {self.proc.returncode}; its output "
-                             f"({self.log_path}):\n{_tail(self.log_path)}")
-
-    def stop(self) -> None:
-        """SIGTERM (`pdserve up` then stops its own children), then SIGKILL to the group."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait()
+def _start(cmd: list[str], log_path: str, name: str) -> ProcessGroup:
+    """One process this bench started, in its own session, dying with the bench; stopped with
+    SIGTERM to it alone (`pdserve up` then stops its own children), then SIGKILL to its group."""
+    return ProcessGroup(cmd, name=name, log_path=log_path, term_group=False, die_with_parent=True)
 
 
 class System:
@@ -112,7 +71,7 @@ class System:
 
     def __init__(self, a: argparse.Namespace, model_dir: str, log_dir: str):
         self.a, self.model_dir, self.log_dir = a, model_dir, log_dir
-        self.child: _Child | None = None
+        self.child: ProcessGroup | None = None
         self.url = ""
         self.described = ""
 
@@ -124,18 +83,14 @@ class System:
 
     def stop(self) -> None:
         if self.child is not None:
-            self.child.stop()
+            self.child.stop(STOP_TIMEOUT_S)
             self.child = None
 
     def _wait(self, ready, what: str) -> None:
-        deadline = time.monotonic() + self.a.start_timeout
-        while time.monotonic() < deadline:
-            self.child.check(what)
-            if ready():
-                return
-            time.sleep(0.5)
-        raise BenchError(f"{what} not ready within {self.a.start_timeout:g}s; its output "
-                         f"({self.child.log_path}):\n{_tail(self.child.log_path)}")
+        try:
+            self.child.wait_healthy(ready, self.a.start_timeout, what=what, poll_s=0.5)
+        except LaunchError as e:
+            raise BenchError(str(e)) from None
 
     def counters(self) -> dict[str, float]:
         """Counters read before and after the run (their difference is reported)."""
@@ -150,7 +105,7 @@ class UpSystem(System):
     name = "up"
 
     def start(self) -> None:
-        router, self.prefill_port, self.decode_port, bootstrap = (_free_port() for _ in range(4))
+        router, self.prefill_port, self.decode_port, bootstrap = (free_port() for _ in range(4))
         self.url = f"http://127.0.0.1:{router}"
         log_dir = os.path.join(self.log_dir, "up")
         os.makedirs(log_dir, exist_ok=True)
@@ -160,9 +115,9 @@ class UpSystem(System):
                str(self.decode_port), "--bootstrap-port", str(bootstrap), "--log-dir", log_dir,
                "--start-timeout", str(self.a.start_timeout), *extra]
         self.described = "pdserve up " + " ".join(shlex.quote(x) for x in extra)
-        self.child = _Child(cmd, os.path.join(self.log_dir, "up.out"))
-        self._wait(lambda: "pdserve is up" in _tail(self.child.log_path, 200), "pdserve up")
-        banner = re.search(r"pdserve up: starting (.*?); logs in", _tail(self.child.log_path, 200))
+        self.child = _start(cmd, os.path.join(self.log_dir, "up.out"), "pdserve up")
+        self._wait(lambda: "pdserve is up" in self.child.tail(200), "printing 'pdserve is up'")
+        banner = re.search(r"pdserve up: starting (.*?); logs in", self.child.tail(200))
         if banner:
             self.described += f" ({banner.group(1)})"
 
@@ -190,14 +145,14 @@ class ColocatedSystem(System):
     name = "colocated"
 
     def start(self) -> None:
-        port = _free_port()
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         extra = shlex.split(self.a.colocated_args)
         cmd = [sys.executable, "-m", "pdserve", "serve", "--role", "colocated", *self.common(),
                "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *extra]
         self.described = "pdserve serve --role colocated " + " ".join(shlex.quote(x) for x in extra)
-        self.child = _Child(cmd, os.path.join(self.log_dir, "colocated.log"))
-        self._wait(lambda: _http(self.url + "/health", 2.0)[0] == 200, "the colocated server")
+        self.child = _start(cmd, os.path.join(self.log_dir, "colocated.log"), "the colocated server")
+        self._wait(lambda: _http(self.url + "/health", 2.0)[0] == 200, self.url + "/health")
 
     def rank_pages(self) -> dict[str, list[int]]:
         status, body = _http(self.url + "/server_info")

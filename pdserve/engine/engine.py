@@ -30,10 +30,11 @@ from .grammar_mask import EngineGrammar
 from .kv_pool import KVPool
 from .linear import MatmulPath
 from .logprobs import logprobs_of
-from .prefix_cache import CacheCounters, PrefixCache
+from .prefix_cache import PrefixCache
 from .sampler import make_generator, sample
 from .scheduler import Batch, Scheduler
-from .sequence import EngineRequest, Sequence, SeqStatus, StepOutput
+from .sequence import Sequence, SeqStatus
+from .step_io import EngineRequest, EngineStats, StepOutput
 
 
 @dataclass(frozen=True)
@@ -47,17 +48,6 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int = 0
     prefix_cache: bool = True
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    total_pages: int
-    free_pages: int
-    cached_pages: int
-    running: int
-    waiting: int
-    held_pages: int
-    cache: CacheCounters
 
 
 class Engine:

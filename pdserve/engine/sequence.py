@@ -1,4 +1,5 @@
-"""Engine-side request state, and what the engine hands back after each step."""
+"""Engine-side request state. The request and what a step hands back are plain data in
+step_io.py (no torch); they are imported here too, where the engine's users found them."""
 
 from __future__ import annotations
 
@@ -7,46 +8,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.logprobs import PromptLogprobs, TopLogprobs
-from ..core.sampling import SamplingParams
+from ..core.logprobs import TopLogprobs
 from .sampler import TokenHistory
+from .step_io import EngineRequest, StepOutput  # noqa: F401  (re-exported)
 
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    rid: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    return_logprob: bool = False  # the sampled tokens' logprobs (and the prompt's, see prompt_logprobs)
-    hold_kv: bool = False  # keep the KV pages after finishing, until release(rid)
-    top_logprobs: int = 0  # with every returned logprob, this many most likely alternatives
-    prompt_logprobs: PromptLogprobs = PromptLogprobs.WITH_RETURN_LOGPROB
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        """Every prompt position is computed (no prefix-cache lookup) for its logprob."""
-        return self.return_logprob and self.prompt_logprobs is not PromptLogprobs.NONE
-
-
-@dataclass
-class StepOutput:
-    rid: str
-    token_id: int | None
-    logprob: float | None = None
-    finished: bool = False
-    finish_reason: dict | None = None
-    input_logprobs: list[float | None] | None = None  # with the first token, when asked
-    top_logprobs: TopLogprobs | None = None  # the token's alternatives, when asked
-    input_top_logprobs: list[TopLogprobs | None] | None = None  # per prompt position, with input_logprobs
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    held_pages: list[int] | None = None  # finished hold_kv requests: their KV pages
 
 
 @dataclass(eq=False)

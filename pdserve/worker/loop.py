@@ -7,14 +7,17 @@ import logging
 import os
 import time
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from ..core.messages import (AbortReq, GenerateReq, OutputBatch, RoomDroppedNotice, RoomFailedNotice, RoomRoutedNotice, ShutdownReq,
                              StatsReq, TokenOutput, WorkerStats)
-from ..engine.engine import Engine
 from ..engine.spin_governor import SpinGovernor
 from .channel import WorkerChannel
 from .queue_clock import QueueClock
 from .role import WorkerRole
+
+if TYPE_CHECKING:  # the engine loads torch; the loop only calls it (tests run it over a fake)
+    from ..engine.engine import Engine
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.05

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.config import ServerConfig
 from ..core.envs import Envs
 from ..core.messages import ErrorInfo, GenerateReq, TokenOutput
-from ..engine.engine import Engine
 from ..core.sampling import SamplingParams
-from ..engine.sequence import EngineRequest, StepOutput
+from ..engine.step_io import EngineRequest, StepOutput
+
+if TYPE_CHECKING:  # the engine loads torch; roles (and tests' fake engines) only call it
+    from ..engine.engine import Engine
 
 
 @dataclass

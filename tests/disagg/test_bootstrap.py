@@ -3,13 +3,13 @@ over real HTTP on 127.0.0.1."""
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import httpx
 import pytest
 
 from pdserve.core.errors import BadRequest, Unavailable
+from pdserve.core.launcher import free_port
 from pdserve.disagg.bootstrap_client import BootstrapClient, BootstrapError, bootstrap_addr
 from pdserve.disagg.prefill_peers import PrefillPeers
 from pdserve.disagg.bootstrap_server import MAX_QUERY_ROOMS, ThreadedBootstrap
@@ -167,12 +167,6 @@ def serve():
 def http():
     with httpx.Client(timeout=5.0, trust_env=False) as c:
         yield c
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_503_until_all_ranks_then_topology(serve, client, http):

@@ -180,7 +180,7 @@ def test_a_refusal_makes_room_for_the_next_accept():
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tiny_model import make_tiny_model  # noqa: E402
+from tests.harness.tiny_model import make_tiny_model  # noqa: E402
 
 from pdserve.core.sampling import SamplingParams  # noqa: E402
 from pdserve.engine.engine import Engine, EngineConfig  # noqa: E402

@@ -21,7 +21,7 @@ from pdserve.disagg.kv_sender import PrefillSender
 from pdserve.disagg.resolution import Resolved
 from pdserve.transfer.base import layout_to_dict
 from pdserve.transfer.fake import FakeBackend, FakeFabric
-from handoff_harness import (AUX, FP, PAGE_SIZE, PROMPT, SRC, FakePrefillLink, PagePool, make_memory, pages_of,
+from tests.harness.handoff_harness import (AUX, FP, PAGE_SIZE, PROMPT, SRC, FakePrefillLink, PagePool, make_memory, pages_of,
                              poll_until, pump)
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]

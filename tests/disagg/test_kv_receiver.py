@@ -1,4 +1,4 @@
-"""DecodeReceiver step by step against a PrefillSender (tests/handoff_harness.py), plus the
+"""DecodeReceiver step by step against a PrefillSender (tests/harness/handoff_harness.py), plus the
 Heartbeat that fails a gone prefill's rooms and one full handoff through a real PrefillLink
 (resolver, heartbeat) and a ThreadedBootstrap on 127.0.0.1."""
 
@@ -17,7 +17,7 @@ from pdserve.disagg.decode_rooms import DecodeState
 from pdserve.disagg.handoff import HandoffState
 from pdserve.disagg.heartbeat import Heartbeat
 from pdserve.disagg.prefill_link import LinkSettings, PrefillLink
-from handoff_harness import (ADDR, AUX, FP, PAGE_SIZE, PROMPT, ROOM, SRC, WAIT_S, Link, assert_idle,
+from tests.harness.handoff_harness import (ADDR, AUX, FP, PAGE_SIZE, PROMPT, ROOM, SRC, WAIT_S, Link, assert_idle,
                              assert_pages_landed, make_link, pump)
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]

@@ -1,7 +1,7 @@
 """PrefillSender step by step: two FakeBackends on one FakeFabric over numpy KV pools, a
 DecodeReceiver on the other side fed by hand (fake resolver and `reserve`), no processes.
 
-The harness is tests/handoff_harness.py (fixtures in conftest.py). Deadlines are driven by an explicit
+The harness is tests/harness/handoff_harness.py (fixtures in conftest.py). Deadlines are driven by an explicit
 `now`; waits for background sends and writes have deadlines of their own.
 """
 
@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.disagg import wire
 from pdserve.disagg.handoff import HandoffState
-from handoff_harness import (ADDR, AUX, FP, PAGE_BYTES, PROMPT, REGIONS, ROOM, SRC, WAIT_S, Link, assert_idle,
+from tests.harness.handoff_harness import (ADDR, AUX, FP, PAGE_BYTES, PROMPT, REGIONS, ROOM, SRC, WAIT_S, Link, assert_idle,
                              assert_pages_landed, make_link)
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]

@@ -22,7 +22,7 @@ from pdserve.disagg.handoff import HandoffState
 from pdserve.disagg.heartbeat import Heartbeat
 from pdserve.disagg.resolution import Resolved
 from pdserve.transfer.tcp import TcpBackend
-from handoff_harness import (ADDR, AUX, PROMPT, ROOM, SRC, Link, assert_idle, assert_pages_landed, make_link,
+from tests.harness.handoff_harness import (ADDR, AUX, PROMPT, ROOM, SRC, Link, assert_idle, assert_pages_landed, make_link,
                              poll_until)
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]

@@ -5,7 +5,6 @@ BootstrapTable the test fills: each path of the decode's resolution order (docs/
 from __future__ import annotations
 
 import queue
-import socket
 import threading
 import time
 
@@ -13,6 +12,7 @@ import pytest
 
 from pdserve.core.errors import BadRequest
 from pdserve.core.failures import FailureCause
+from pdserve.core.launcher import free_port
 from pdserve.core.pd_vocab import MAX_QUERY_ROOMS
 from pdserve.disagg.bootstrap_client import BootstrapClient, BootstrapError
 from pdserve.disagg.prefill_peers import PrefillPeers
@@ -22,7 +22,7 @@ from pdserve.disagg.dp_rules import conflict_message
 from pdserve.disagg.query_batcher import QueryBatcher
 from pdserve.disagg.rank_resolver import RankResolver
 from pdserve.disagg.resolution import Resolved
-from handoff_harness import WAIT_S
+from tests.harness.handoff_harness import WAIT_S
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]
 
@@ -170,9 +170,7 @@ def test_failed_room_in_table_fails_with_its_reason(request):
 
 
 def test_unreachable_topology_names_the_address(request):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again below: nothing listens there
+    port = free_port()  # nothing listens there
     env = Env(request, topology_timeout=0.3)
     addr = f"127.0.0.1:{port}"
     env.resolver.resolve(addr, 50, None)

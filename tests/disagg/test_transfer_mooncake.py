@@ -20,7 +20,7 @@ from pdserve.core.envs import Envs
 from pdserve.transfer import TransferError, create_backend, layout_to_dict
 from pdserve.transfer import mooncake as mc
 
-from transfer_pools import BackendPair, Pool, recv_until  # noqa: E402
+from tests.harness.transfer_pools import BackendPair, Pool, recv_until  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 if (_problem := mc.import_problem()) is not None:

@@ -1,4 +1,4 @@
-"""PrefillRole and DecodeRole driven by hand over torch-free FakeEngines (tests/fake_engine.py):
+"""PrefillRole and DecodeRole driven by hand over torch-free FakeEngines (tests/harness/fake_engine.py):
 the WorkerRole contract -- every accepted GenerateReq yields exactly one finished TokenOutput,
 and every KV page a role takes is back in its engine by then -- under each fault.
 
@@ -28,13 +28,14 @@ from pdserve.disagg.bootstrap_server import ThreadedBootstrap
 from pdserve.disagg.bootstrap_table import BootstrapTable
 from pdserve.disagg.decode_events import PeerGone
 from pdserve.engine import sequence as engine_sequence
+from pdserve.engine.allocator import PageAllocator
 from pdserve.transfer.fake import FakeFabric
 from pdserve.worker import pd_common
 from pdserve.worker.decode import DecodeRole
 from pdserve.worker.prefill import PrefillRole
 from pdserve.worker.role import RoleContext, WorkerRole
-from handoff_harness import GatedBackend
-from tests.fake_engine import FakeEngine, StepOutput, fake_continuation, fake_logprob
+from tests.harness.handoff_harness import GatedBackend
+from tests.harness.fake_engine import FakeEngine, StepOutput, fake_continuation, fake_logprob
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]
 
@@ -244,9 +245,10 @@ def assert_failed(out: TokenOutput | None, *needles: str) -> None:
 
 
 # ---- the fake engine itself -------------------------------------------------------------------
-def test_fake_step_output_matches_the_engines():
+def test_fake_engine_uses_the_engines_own_step_output_and_allocator():
     real = [(f.name, f.default) for f in dataclasses.fields(engine_sequence.StepOutput)]
     assert [(f.name, f.default) for f in dataclasses.fields(StepOutput)] == real
+    assert StepOutput is engine_sequence.StepOutput and type(FakeEngine().allocator) is PageAllocator
 
 
 # ---- success ----------------------------------------------------------------------------------

@@ -11,9 +11,9 @@ import random
 import httpx
 import pytest
 
-from cluster import Server, pd_body
-from fault_tools import KnobServer, Legs, Router, error_of
-from shared_servers import PREFILL, borrow
+from tests.harness.cluster import Server, pd_body
+from tests.harness.fault_tools import KnobServer, Legs, Router, error_of
+from tests.harness.shared_servers import PREFILL, borrow
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 # servers borrowed from the session's shared ones (shared_servers.py)

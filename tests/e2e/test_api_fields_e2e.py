@@ -13,8 +13,8 @@ from collections import Counter
 import httpx
 import pytest
 
-from cluster import Server, pd_body, post_both, run  # noqa: E402
-from shared_servers import COLOCATED, DECODE, PREFILL, borrow  # noqa: E402
+from tests.harness.cluster import Server, pd_body, post_both, run  # noqa: E402
+from tests.harness.shared_servers import COLOCATED, DECODE, PREFILL, borrow  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 # servers borrowed from the session's shared ones (shared_servers.py)

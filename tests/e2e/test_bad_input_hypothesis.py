@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from fault_tools import Router  # noqa: E402
-from shared_servers import DECODE, PREFILL, borrow  # noqa: E402
+from tests.harness.fault_tools import Router  # noqa: E402
+from tests.harness.shared_servers import DECODE, PREFILL, borrow  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 # servers borrowed from the session's shared ones (shared_servers.py)

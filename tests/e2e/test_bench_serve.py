@@ -1,14 +1,11 @@
 """Tests of the serving benchmark: metrics, arrivals and datasets as pure units, then whole
-runs against tests/stub_openai_server.py (a subprocess on a free 127.0.0.1 port)."""
+runs against tests/harness/stub_openai_server.py (a subprocess on a free 127.0.0.1 port)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import math
-import os
-import select
-import subprocess
 import sys
 import urllib.request
 from dataclasses import fields
@@ -16,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.core.launcher import ProcessGroup, free_port
 from pdserve.bench.arrivals import ArrivalKind, arrival_offsets
 from pdserve.bench.backends import (BackendOptions, OpenAIChatBackend, OpenAICompletionsBackend,
                                     PDServeBackend, StreamState)
@@ -27,28 +25,17 @@ from pdserve.bench.metrics import (RequestRecord, format_summary, parse_slo, per
 from pdserve.bench.serve import (BenchConfig, BenchError, build_bench_parser, load_conversations,
                                  run, run_bench)
 
-STUB = Path(__file__).resolve().parents[1] / "stub_openai_server.py"
+STUB = Path(__file__).resolve().parents[1] / "harness" / "stub_openai_server.py"
 START_DEADLINE_S = 30.0
 
 
 # ---------------------------------------------------------------- the stub server
 @pytest.fixture(scope="module")
-def stub_url():
-    proc = subprocess.Popen([sys.executable, str(STUB)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], START_DEADLINE_S)
-        line = proc.stdout.readline() if ready else ""
-        assert line.startswith("READY "), f"stub did not start within {START_DEADLINE_S}s: {line!r}"
-        yield f"http://127.0.0.1:{int(line.split()[1])}"
-    finally:
-        os.kill(proc.pid, 15)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, 9)
-            proc.wait(timeout=10)
-        proc.stdout.close()
+def stub_url(tmp_path_factory):
+    log = tmp_path_factory.mktemp("stub") / "stub.log"
+    with ProcessGroup([sys.executable, str(STUB)], name="openai stub", log_path=str(log)) as stub:
+        port = int(stub.wait_output(r"READY (\d+)", START_DEADLINE_S).group(1))
+        yield f"http://127.0.0.1:{port}"
 
 
 def _http(url: str, body: dict | None = None) -> dict:
@@ -300,26 +287,11 @@ def test_timeouts_and_unreachable_servers_fail_requests_not_the_run(stub_url):
     configure(stub_url, ttft=2.0)
     res = asyncio.run(run(bench(stub_url, num_prompts=2, request_timeout=0.3)))
     assert res.summary.failed == 2 and res.summary.errors[0].startswith("timeout")
-    with socket_closed_port() as port:
-        dead = f"http://127.0.0.1:{port}"
-        res = asyncio.run(run(bench(dead, num_prompts=3)))
-        assert res.summary.failed == 3 and "ClientConnectorError" in res.summary.errors[0]
-        with pytest.raises(BenchError, match="warmup request"):
-            asyncio.run(run(bench(dead, num_prompts=3, warmup_requests=1)))
-
-
-class socket_closed_port:
-    """A port that was free a moment ago and has nothing listening."""
-
-    def __enter__(self) -> int:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    def __exit__(self, *exc) -> None:
-        return None
+    dead = f"http://127.0.0.1:{free_port()}"  # free a moment ago: nothing listens there
+    res = asyncio.run(run(bench(dead, num_prompts=3)))
+    assert res.summary.failed == 3 and "ClientConnectorError" in res.summary.errors[0]
+    with pytest.raises(BenchError, match="warmup request"):
+        asyncio.run(run(bench(dead, num_prompts=3, warmup_requests=1)))
 
 
 def test_ignore_eos_off_shows_short_outputs(stub_url):

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from pdserve.bench import sweep as sw  # noqa: E402
+from pdserve.core.launcher import ProcessGroup  # noqa: E402
 from pdserve.bench.metrics import RequestRecord, summarize  # noqa: E402
 from pdserve.bench.plots import PLOT_FILES, write_plots  # noqa: E402
 
@@ -152,7 +153,7 @@ TINY_ARGS = ["--rates", "8,inf", "--concurrencies", "2", "--num-prompts", "3", "
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from tiny_model import make_tiny_model
+    from tests.harness.tiny_model import make_tiny_model
 
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
 
@@ -174,25 +175,18 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture
 def sweep_proc(tmp_path):
-    procs: list[subprocess.Popen] = []
+    groups: list[ProcessGroup] = []
 
     def start(args: list[str]) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-m", "pdserve", "bench", "sweep", *args], cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        procs.append(p)
-        return p
+        groups.append(ProcessGroup([sys.executable, "-m", "pdserve", "bench", "sweep", *args], name="bench sweep",
+                                   cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True))
+        return groups[-1].proc
 
     yield start
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)  # the sweep stops its servers on SIGTERM
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        p.stdout.close()
+    for g in groups:
+        g.stop(grace_s=30.0)  # the sweep stops its servers on SIGTERM
+        g.proc.stdout.close()
 
 
 def _server_pids(output: str) -> list[int]:

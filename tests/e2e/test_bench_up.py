@@ -14,9 +14,9 @@ import uuid
 
 import pytest
 
-from cluster import ROOT  # noqa: E402
+from tests.harness.cluster import ROOT  # noqa: E402
 from test_up import MARK, marked_pids, wait_for  # noqa: E402
-from tiny_model import make_tiny_model  # noqa: E402
+from tests.harness.tiny_model import make_tiny_model  # noqa: E402
 
 from pdserve.bench.up_bench import (Run, SystemResult, combine, comparison, format_results,
                                     prometheus_counters, run_systems)

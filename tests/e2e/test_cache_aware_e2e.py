@@ -11,8 +11,8 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from fault_tools import Router
-from shared_servers import COLOCATED, DECODE, PREFILL, borrow
+from tests.harness.fault_tools import Router
+from tests.harness.shared_servers import COLOCATED, DECODE, PREFILL, borrow
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}

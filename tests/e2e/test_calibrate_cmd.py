@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tiny_model import make_tiny_model
+from tests.harness.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.e2e
 

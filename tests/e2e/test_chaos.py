@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from fault_tools import shared_tiny_model  # noqa: E402
+from tests.harness.fault_tools import shared_tiny_model  # noqa: E402
 from pdserve.bench import chaos
 
 pytestmark = [pytest.mark.e2e, pytest.mark.soak, pytest.mark.timeout(300)]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import socket
 
-import cluster  # noqa: E402
-from fault_tools import shared_tiny_model  # noqa: E402
+from tests.harness import cluster  # noqa: E402
+from tests.harness.fault_tools import shared_tiny_model  # noqa: E402
 
 
 def test_server_restarts_when_its_port_was_taken(tmp_path_factory, monkeypatch):

@@ -11,9 +11,9 @@ import json
 import httpx
 import pytest
 
-from cluster import Server  # noqa: E402
-from fault_tools import KnobServer  # noqa: E402
-from tiny_model import make_tiny_model  # noqa: E402
+from tests.harness.cluster import Server  # noqa: E402
+from tests.harness.fault_tools import KnobServer  # noqa: E402
+from tests.harness.tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 CONTEXT = 20000  # long enough for requests that stay in flight while load is inspected

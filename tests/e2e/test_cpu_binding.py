@@ -82,8 +82,8 @@ def test_up_layout_gives_every_worker_a_core_or_shrinks_the_dp_sizes():
 @pytest.mark.e2e
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to tell bindings apart")
 def test_a_real_workers_threads_run_on_its_cores(tmp_path):
-    from cluster import Server
-    from tiny_model import make_tiny_model
+    from tests.harness.cluster import Server
+    from tests.harness.tiny_model import make_tiny_model
 
     cpus = sorted(os.sched_getaffinity(0))[:2]
     model = make_tiny_model(str(tmp_path / "tiny"))
@@ -106,8 +106,8 @@ def test_a_real_workers_threads_run_on_its_cores(tmp_path):
 def test_a_one_rank_worker_uses_every_core(tmp_path):
     """dp 1, auto: the worker may run on all cores and runs that many torch threads (a bound
     worker whose compute threads all sat on one core prefilled at half speed)."""
-    from cluster import Server
-    from tiny_model import make_tiny_model
+    from tests.harness.cluster import Server
+    from tests.harness.tiny_model import make_tiny_model
 
     model = make_tiny_model(str(tmp_path / "tiny"))
     srv = Server("colocated", model, log_dir=str(tmp_path), extra=["--num-threads", "0",

@@ -11,7 +11,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from cluster import Server  # noqa: E402
+from tests.harness.cluster import Server  # noqa: E402
 
 from pdserve.core.envs import Envs  # noqa: E402
 from pdserve.model_files import resolve_model  # noqa: E402

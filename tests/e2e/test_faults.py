@@ -4,7 +4,7 @@ on the same ports. (Router, client, bootstrap and transfer-peer faults: test_fau
 
 For each: every client gets an answer (a result, a clear error, or for a killed server its dropped
 connection) well within the configured deadlines (FAST_ENV), the survivors keep serving, and
-they return to idle. Fault windows are widened with the `tests.slow_worker` knobs and entered
+they return to idle. Fault windows are widened with the `tests.harness.slow_worker` knobs and entered
 by watching server_info, never by sleeping a guessed time.
 """
 
@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from cluster import FAST_ENV, pd_body, stop_all  # noqa: E402
-from fault_tools import (KnobServer, Legs, assert_failed, flush_cache, decoding, error_of, kv_req_sent,  # noqa: E402
+from tests.harness.cluster import FAST_ENV, pd_body, stop_all  # noqa: E402
+from tests.harness.fault_tools import (KnobServer, Legs, assert_failed, flush_cache, decoding, error_of, kv_req_sent,  # noqa: E402
                          prefilling, room_on, shared_tiny_model, status, transferring, wait_for)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -13,8 +13,8 @@ import re
 
 import pytest
 
-from cluster import Server, pd_body, post_both, run  # noqa: E402
-from tiny_model import make_tiny_model  # noqa: E402
+from tests.harness.cluster import Server, pd_body, post_both, run  # noqa: E402
+from tests.harness.tiny_model import make_tiny_model  # noqa: E402
 
 from pdserve.core.log_format import (QUIET_LIBRARIES, ContextFilter, LogContext, configure_logging,  # noqa: E402
                                      fields, make_formatter)

@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from fault_tools import Router  # noqa: E402
-from shared_servers import COLOCATED, DECODE, PREFILL, borrow  # noqa: E402
+from tests.harness.fault_tools import Router  # noqa: E402
+from tests.harness.shared_servers import COLOCATED, DECODE, PREFILL, borrow  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 # servers borrowed from the session's shared ones (shared_servers.py)

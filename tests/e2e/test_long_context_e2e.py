@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from cluster import Server, pd_body, post_both, run, stop_all  # noqa: E402
+from tests.harness.cluster import Server, pd_body, post_both, run, stop_all  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 PROMPT = 8000

@@ -12,7 +12,6 @@ import json
 import os
 import random
 import re
-import subprocess
 import sys
 import time
 
@@ -21,12 +20,13 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster import ROOT, Server, free_port, pd_body, post_both, run, stop_all  # noqa: E402
-from fake_worker import write_fake_model  # noqa: E402
-from handoff_harness import FakePrefillLink  # noqa: E402
-from tiny_model import make_tiny_model  # noqa: E402
+from tests.harness.cluster import ROOT, Server, free_port, pd_body, post_both, run, stop_all  # noqa: E402
+from tests.harness.fake_worker import write_fake_model  # noqa: E402
+from tests.harness.handoff_harness import FakePrefillLink  # noqa: E402
+from tests.harness.tiny_model import make_tiny_model  # noqa: E402
 
 from pdserve.core.errors import BadRequest  # noqa: E402
+from pdserve.core.launcher import ProcessGroup, http_ok  # noqa: E402
 from pdserve.core.kv_layout import KVLayout  # noqa: E402
 from pdserve.core.messages import ErrorInfo, TokenOutput, WorkerStats  # noqa: E402
 from pdserve.core.sampling import SamplingParams  # noqa: E402
@@ -44,7 +44,7 @@ from pdserve.transfer import tcp_wire  # noqa: E402
 from pdserve.transfer.base import layout_to_dict  # noqa: E402
 from pdserve.transfer.tcp import TcpBackend  # noqa: E402
 
-PAGE_SIZE = 4  # tests/cluster.py starts servers with --page-size 4
+PAGE_SIZE = 4  # tests/harness/cluster.py starts servers with --page-size 4
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # layers x (K, V) x kv heads x head dim x float32 (tiny model)
 
 
@@ -238,32 +238,15 @@ class Router:
         cmd = [sys.executable, "-m", "pdserve", "router", "--pd-disaggregation", "--host", "127.0.0.1",
                "--port", str(self.port), "--log-level", "warning", "--prefill", prefill.url,
                str(prefill.bootstrap_port), "--decode", decode.url]
-        self.log = open(os.path.join(log_dir, f"router-{self.port}.log"), "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env={**os.environ, "PYTHONPATH": ROOT}, start_new_session=True)
+        self.group = ProcessGroup(cmd, name="router", log_path=os.path.join(log_dir, f"router-{self.port}.log"),
+                                  cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_healthy(self, timeout: float = 60.0) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            assert self.proc.poll() is None, "router exited"
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError("router not healthy")
+        self.group.wait_healthy(lambda: http_ok(self.url + "/health"), timeout, what="/health")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 15)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait(timeout=5)
-        self.log.close()
+        self.group.stop(grace_s=10.0)
 
 
 @pytest.fixture(scope="module")

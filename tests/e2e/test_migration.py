@@ -5,7 +5,7 @@ with --migration-limit 0, or with no other healthy decode, a stream whose decode
 ends at once with an error that says why it was not moved, and nothing is left held; a stream
 whose connection to the only decode is cut (the decode stays healthy) continues on that decode.
 
-One module-scoped set: prefill P, decodes D1 and D2 (tests.slow_worker, so the decode window is
+One module-scoped set: prefill P, decodes D1 and D2 (tests.harness.slow_worker, so the decode window is
 wide), a colocated reference C; router R1 (limit 1) over P + D1 + D2, router R0 (limit 0) over
 P + D2, router RC (limit 1) over P + a cuttable proxy to D2. The tests run in order: the first
 cuts RC's connections, the second kills D1's worker, the third all of D2.
@@ -21,10 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from cluster import Server
-from fault_tools import KnobServer, Legs, Router, decoding, wait_for
+from tests.harness.cluster import Server
+from tests.harness.fault_tools import KnobServer, Legs, Router, decoding, wait_for
 from pdserve.bench.tcp_proxy import TcpProxy
-from shared_servers import COLOCATED
+from tests.harness.shared_servers import COLOCATED
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 LENT = {"C": COLOCATED}  # only the colocated reference is borrowed (shared_servers.py)
@@ -55,7 +55,7 @@ def cluster(shared_servers, tmp_path_factory):
     servers = {"P": KnobServer("prefill", model, log_dir=logs), "D1": KnobServer("decode", model, log_dir=logs),
                "D2": KnobServer("decode", model, log_dir=logs)}
     P, D1, D2 = servers["P"], servers["D1"], servers["D2"]  # the routers wait for them (health checks)
-    proxy = TcpProxy(D2.port)
+    proxy = TcpProxy(("127.0.0.1", D2.port))
     routers = [Router([P], [D1, D2], "--migration-limit", "1", log_dir=logs),
                Router([P], [D2], "--migration-limit", "0", log_dir=logs),
                Router([P], [types.SimpleNamespace(url=f"http://127.0.0.1:{proxy.port}")], "--migration-limit", "1",

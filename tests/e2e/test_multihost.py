@@ -1,5 +1,5 @@
 """Across hosts: router, prefills and decodes each in its own network namespace on a bridge the
-test makes (tests/netns.py), so every byte between them crosses a veth, and nothing is on loopback.
+test makes (tests/harness/netns.py), so every byte between them crosses a veth, and nothing is on loopback.
 
 The servers exercise bind vs advertise: the tcp prefill binds `::` and advertises its IPv6
 address (the router reaches it over IPv6), the tcp decode binds its IPv4 address, the mooncake
@@ -9,7 +9,7 @@ pair binds its IPv4 addresses with UCX held to its TCP transport (else UCX would
 between namespaces of one kernel through memory, never over the veth). Greedy output through our
 router (for every backend) and through sglang-router, each in its own namespace, equals a
 colocated server's. Then the network faults: delay and loss on the pages' path (a test-owned TCP
-proxy the tcp decode advertises, tests/tcp_proxy.py), a bandwidth cap (tc tbf), the prefill cut off
+proxy the tcp decode advertises, pdserve/bench/tcp_proxy.py), a bandwidth cap (tc tbf), the prefill cut off
 (its veth down) while its room prefills (the decode's heartbeat fails it) or while its pages
 move (both legs fail within their deadlines), healed after: pages freed on both sides, the next
 requests succeed; the pages of a room the decode gave up while the prefill was cut off stay held
@@ -28,12 +28,13 @@ import types
 import httpx
 import pytest
 
-import netns  # noqa: E402
-from cluster import ROOT, Server, free_port  # noqa: E402
-from tcp_proxy import FaultyProxy  # noqa: E402
+from tests.harness import netns  # noqa: E402
+from pdserve.bench.tcp_proxy import TcpProxy  # noqa: E402
+from pdserve.core.launcher import free_port  # noqa: E402
+from tests.harness.cluster import ROOT, Server  # noqa: E402
 from pdserve.transfer.mooncake import import_problem as mooncake_problem  # noqa: E402
 from pdserve.transfer.nixl import import_problem as nixl_problem  # noqa: E402
-from fault_tools import (KnobServer, Legs, error_of, flush_cache, prefilling, shared_tiny_model,  # noqa: E402
+from tests.harness.fault_tools import (KnobServer, Legs, error_of, flush_cache, prefilling, shared_tiny_model,  # noqa: E402
                          transferring, wait_for)
 
 _why = netns.unavailable()
@@ -77,8 +78,7 @@ def hosts(lan):
 def proxy(lan, hosts):
     """On the tcp decode's transfer path: the prefill writes pages to it, it forwards to the decode."""
     port = free_port()
-    p = FaultyProxy((lan.gateway, port), (hosts.dt.ip, port))
-    p.port = port
+    p = TcpProxy((hosts.dt.ip, port), listen=(lan.gateway, port))
     try:
         yield p
     finally:

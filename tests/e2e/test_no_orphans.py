@@ -8,14 +8,14 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import sys
 import uuid
 
 import pytest
 
-from cluster import ROOT, free_port
-from fault_tools import KnobServer, Legs, alive, children, shared_tiny_model, wait_for
+from pdserve.core.launcher import ProcessGroup, free_port
+from tests.harness.cluster import ROOT
+from tests.harness.fault_tools import KnobServer, Legs, alive, children, shared_tiny_model, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 MARK = "PDSERVE_ORPHAN_TEST_MARK"
@@ -76,9 +76,9 @@ def test_sigkill_of_up_leaves_no_process_and_frees_its_ports(tiny, tmp_path):
            "--bootstrap-port", str(ports[3]), "--prefill-dp", "1", "--decode-dp", "1",
            "--dtype", "float32", "--max-total-tokens", "2048", "--start-timeout", "120"]
     out_path = tmp_path / "up.out"
-    with open(out_path, "w") as out:
-        up = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                              env={**os.environ, "PYTHONPATH": ROOT, MARK: token})
+    group = ProcessGroup(cmd, name="pdserve up", log_path=str(out_path), cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT, MARK: token})
+    up = group.proc
     try:
         wait_for(lambda: "pdserve is up" in out_path.read_text() or up.poll() is not None, 150,
                  "pdserve up to start", lambda: out_path.read_text()[-2000:])
@@ -94,12 +94,12 @@ def test_sigkill_of_up_leaves_no_process_and_frees_its_ports(tiny, tmp_path):
         wait_for(lambda: all(port_free(p) for p in ports), GONE_S, "the ports of pdserve up to be free",
                  lambda: f"taken: {[p for p in ports if not port_free(p)]}")
     finally:
-        for pid in [up.pid, *marked_pids(token)]:
+        group.kill()
+        for pid in marked_pids(token):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        up.wait(timeout=10)
 
 
 def test_sigkill_of_a_server_leaves_no_worker_even_one_busy_in_a_step(tiny, tmp_path):

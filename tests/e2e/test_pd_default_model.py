@@ -8,8 +8,8 @@ import random
 import httpx
 import pytest
 
-from cluster import Server, pd_body, post_both, run  # noqa: E402
-from shared_servers import DEFAULT_MODEL_FLAGS, borrow, default_model_kind  # noqa: E402
+from tests.harness.cluster import Server, pd_body, post_both, run  # noqa: E402
+from tests.harness.shared_servers import DEFAULT_MODEL_FLAGS, borrow, default_model_kind  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 # the colocated reference and the decode are borrowed (shared_servers.py; test_structured_outputs_e2e

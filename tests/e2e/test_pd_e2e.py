@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from cluster import Server, pd_body, post_both, run  # noqa: E402
-from shared_servers import COLOCATED, DECODE, DECODE_DP2, PREFILL, PREFILL_DP2, borrow  # noqa: E402
+from tests.harness.cluster import Server, pd_body, post_both, run  # noqa: E402
+from tests.harness.shared_servers import COLOCATED, DECODE, DECODE_DP2, PREFILL, PREFILL_DP2, borrow  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

@@ -9,8 +9,8 @@ import random
 import httpx
 import pytest
 
-from cluster import Server, pd_body, post_both, run, stop_all  # noqa: E402
-from tiny_families import make_tiny_family  # noqa: E402
+from tests.harness.cluster import Server, pd_body, post_both, run, stop_all  # noqa: E402
+from tests.harness.tiny_families import make_tiny_family  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

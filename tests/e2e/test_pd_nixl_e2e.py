@@ -19,8 +19,8 @@ import time
 import httpx
 import pytest
 
-from cluster import Server, pd_body, post_both, run  # noqa: E402
-from shared_servers import COLOCATED, borrow  # noqa: E402
+from tests.harness.cluster import Server, pd_body, post_both, run  # noqa: E402
+from tests.harness.shared_servers import COLOCATED, borrow  # noqa: E402
 
 from pdserve.transfer.nixl import import_problem  # noqa: E402
 

@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from cluster import FAST_ENV, Server, pd_body, start_all, stop_all  # noqa: E402
-from fault_tools import assert_failed, shared_tiny_model, wait_for  # noqa: E402
+from tests.harness.cluster import FAST_ENV, Server, pd_body, start_all, stop_all  # noqa: E402
+from tests.harness.fault_tools import assert_failed, shared_tiny_model, wait_for  # noqa: E402
 
 from pdserve.disagg.handoff import HandoffState  # noqa: E402
 

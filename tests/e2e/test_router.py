@@ -20,42 +20,36 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.core.launcher import ProcessGroup, free_port
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 ROOT = Path(__file__).resolve().parents[2]
-STUB = Path(__file__).resolve().parents[1] / "stub_pd_server.py"
+STUB = Path(__file__).resolve().parents[1] / "harness" / "stub_pd_server.py"
 BOOT_PORT = 18991
 SPAWN_TIMEOUT = 30.0
 
 
 class Proc:
+    """A child in its own process group that announces its port on its output (it binds port 0)."""
+
     def __init__(self, cmd: list[str], ready: re.Pattern):
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="router-test-", suffix=".log", delete=False)
+        fd, log = tempfile.mkstemp(prefix="router-test-", suffix=".log")
+        os.close(fd)
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.popen = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-        deadline = time.monotonic() + SPAWN_TIMEOUT
-        while True:
-            text = Path(self.log.name).read_text()
-            if m := ready.search(text):
-                self.port = int(m.group(1))
-                self.url = f"http://127.0.0.1:{self.port}"
-                return
-            if self.popen.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"{cmd} did not start:\n{text}")
-            time.sleep(0.05)
+        self.group = ProcessGroup(cmd, name=Path(cmd[1]).name if cmd[1] != "-m" else cmd[2], log_path=log,
+                                  cwd=ROOT, env=env)
+        try:
+            self.port = int(self.group.wait_output(ready.pattern, SPAWN_TIMEOUT).group(1))
+        except BaseException:
+            self.stop()
+            raise
+        self.url = f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(10)
-        if not self.log.closed:
-            self.log.close()
-            os.unlink(self.log.name)
+        self.group.stop(grace_s=10.0)
+        if os.path.exists(self.group.log_path):
+            os.unlink(self.group.log_path)
 
 
 class Stub(Proc):
@@ -547,9 +541,7 @@ def test_worker_startup_timeout_waits_for_every_server_then_names_the_missing(pr
     ok = procs.start(Router, "--prefill", prefill.url, str(BOOT_PORT), "--decode", decode.url,
                      "--worker-startup-timeout-secs", "20")
     assert httpx.get(ok.url + "/health", timeout=5).status_code == 200
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    dead = f"http://127.0.0.1:{free_port()}"  # a port nobody listens on
     cmd = [sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", "0", "--prefill", prefill.url,
            str(BOOT_PORT), "--decode", dead, "--worker-startup-timeout-secs", "1.5"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

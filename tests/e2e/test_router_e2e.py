@@ -16,10 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-import cluster  # noqa: E402
-from cluster import Server  # noqa: E402
-from fault_tools import Router, wait_for  # noqa: E402
-from shared_servers import COLOCATED, DECODE_DP2, PREFILL_DP2, borrow  # noqa: E402
+from tests.harness import cluster  # noqa: E402
+from tests.harness.cluster import Server  # noqa: E402
+from tests.harness.fault_tools import Router, wait_for  # noqa: E402
+from tests.harness.shared_servers import COLOCATED, DECODE_DP2, PREFILL_DP2, borrow  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 # servers borrowed from the session's shared ones (shared_servers.py)

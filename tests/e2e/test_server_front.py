@@ -1,5 +1,5 @@
 """The HTTP front end to end: a real front process (`python -m pdserve.server.launch`) with
-fake DP workers (tests/fake_worker.py) on 127.0.0.1. Every route, batching, streaming, stop
+fake DP workers (tests/harness/fake_worker.py) on 127.0.0.1. Every route, batching, streaming, stop
 strings, aborts on disconnect, bad input, DP methods, API key, the openai client, start-up
 failures and shutdown without orphans."""
 
@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,18 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.fake_worker import fake_generate, fake_logprob, write_fake_model
+from pdserve.core.launcher import ProcessGroup, free_port, http_ok
+from tests.harness.fake_worker import fake_generate, fake_logprob, write_fake_model
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 ERROR_TOKEN = 399
 START_DEADLINE_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def children_of(pid: int) -> list[int]:
@@ -64,7 +58,8 @@ def wait_until(cond, deadline_s: float = 20.0, what: str = "condition"):
 
 
 class Server:
-    """One front process plus its fake workers; `stop()` leaves no process behind."""
+    """One front process plus its fake workers, in a process group of their own; `stop()`
+    leaves no process behind."""
 
     def __init__(self, model_dir: str, log_path: Path, dp: int = 2, method: str = "auto",
                  env: dict | None = None, args: tuple = ()):
@@ -72,23 +67,19 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "pdserve.server.launch", "--model-dir", model_dir,
-               "--worker-module", "tests.fake_worker", "--port", str(self.port), "--dp-size", str(dp),
+               "--worker-module", "tests.harness.fake_worker", "--port", str(self.port), "--dp-size", str(dp),
                "--load-balance-method", method, "--log-level", "warning", "--start-timeout", "30", *args]
         full_env = {**os.environ, "PYTHONPATH": str(REPO), "FAKE_WORKER_ERROR_TOKEN": str(ERROR_TOKEN), **(env or {})}
-        self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.group = ProcessGroup(cmd, name="front", log_path=str(log_path), cwd=REPO, env=full_env)
         self.workers: list[int] = []
 
+    @property
+    def proc(self):
+        return self.group.proc
+
     def wait_ready(self) -> "Server":
-        def up():
-            if self.proc.poll() is not None:
-                raise AssertionError(f"front exited with {self.proc.returncode}:\n{self.log_text()}")
-            try:
-                return httpx.get(self.url + "/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-        wait_until(up, START_DEADLINE_S, "the front to become healthy")
+        self.group.wait_healthy(lambda: http_ok(self.url + "/health"), START_DEADLINE_S, what="/health",
+                                poll_s=0.05)
         self.workers = children_of(self.proc.pid)
         return self
 
@@ -96,19 +87,17 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def stop(self, sig=signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        """`sig` to the front alone: it must stop its workers itself (checked before the group
+        is killed, which ends whatever it left)."""
+        if self.group.running():
+            self.group.signal(sig, group=False)
+            if self.group.wait(20) is None:
+                self.group.signal(signal.SIGKILL, group=False)
+                self.group.wait(10)
         leftovers = [p for p in self.workers + children_of(self.proc.pid) if alive(p)]
-        for p in leftovers:
-            os.kill(p, signal.SIGKILL)
-        self.log.close()
+        rc = self.group.stop()
         assert not leftovers, f"worker processes {leftovers} outlived the front"
-        return self.proc.returncode
+        return rc
 
     # helpers
     def get(self, path, **kw):

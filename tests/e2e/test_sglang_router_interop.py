@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
-from cluster import ROOT, Server, free_port  # noqa: E402
-from shared_servers import COLOCATED, DECODE, PREFILL_DP2, borrow  # noqa: E402
+from pdserve.core.launcher import LaunchError, ProcessGroup, free_port
+from tests.harness.cluster import ROOT, Server  # noqa: E402
+from tests.harness.shared_servers import COLOCATED, DECODE, PREFILL_DP2, borrow  # noqa: E402
 
 pytest.importorskip("sglang_router")
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -41,9 +39,7 @@ class SglangRouter:
                "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-host", "127.0.0.1",
                "--prometheus-port", str(free_port()), "--policy", "round_robin", "--log-level", "warn"]
         self.log_path = os.path.join(log_dir, f"sglang-router-{self.port}.log")
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     start_new_session=True)
+        self.group = ProcessGroup(cmd, name="sglang-router", log_path=self.log_path, cwd=ROOT)
 
     @property
     def url(self) -> str:
@@ -51,36 +47,30 @@ class SglangRouter:
 
     def wait_serving(self, timeout: float = 90.0) -> "SglangRouter":
         """Until a /generate goes through (it adds the workers after its own start-up checks)."""
-        deadline = time.monotonic() + timeout
         last = ""
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sglang-router exited ({self.proc.returncode}):\n{self.tail()}")
+
+        def serves() -> bool:
+            nonlocal last
             try:
                 r = httpx.post(self.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}},
                                timeout=30)
-                if r.status_code == 200:
-                    return self
                 last = f"{r.status_code} {r.text[:300]}"
+                return r.status_code == 200
             except httpx.HTTPError as e:
                 last = repr(e)
-            time.sleep(0.3)
-        raise RuntimeError(f"sglang-router never served /generate (last: {last}):\n{self.tail()}")
+                return False
+        try:
+            self.group.wait_healthy(serves, timeout, what="serving /generate", poll_s=0.3)
+        except LaunchError as e:
+            raise RuntimeError(f"{e}\n(last answer: {last})") from None
+        return self
 
     def tail(self) -> str:
         with open(self.log_path, errors="replace") as f:
             return f.read()[-3000:]
 
     def stop(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if self.proc.poll() is not None:
-                break
-            try:
-                os.killpg(self.proc.pid, sig)
-                self.proc.wait(timeout=10)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
-        self.log.close()
+        self.group.stop(grace_s=10.0)
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import re
 import httpx
 import pytest
 
-from fault_tools import Router  # noqa: E402
-from shared_servers import borrow, default_model_kind  # noqa: E402
+from tests.harness.fault_tools import Router  # noqa: E402
+from tests.harness.shared_servers import borrow, default_model_kind  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 # servers borrowed from the session's shared ones (shared_servers.py; test_pd_default_model has two)

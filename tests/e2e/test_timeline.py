@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from cluster import Server, pd_body, post_both, run, stop_all  # noqa: E402
-from tiny_model import make_tiny_model  # noqa: E402
+from tests.harness.cluster import Server, pd_body, post_both, run, stop_all  # noqa: E402
+from tests.harness.tiny_model import make_tiny_model  # noqa: E402
 
 from pdserve.core.messages import TokenOutput  # noqa: E402
 from pdserve.core.timeline import ORDER, Stage, build_timeline  # noqa: E402

@@ -1,5 +1,5 @@
 """Tools, reasoning and the rest of the serving API on a real front process with scripted fake
-workers (tests/scripted_worker.py: the "model" writes what the prompt says after SAY:), through
+workers (tests/harness/scripted_worker.py: the "model" writes what the prompt says after SAY:), through
 the official openai client: tool calls parsed (streamed and not), reasoning_content, served
 model names and the 404, /tokenize, /detokenize, /abort_request (the stream ends with
 finish_reason abort and the KV pages come back), generation_config defaults reaching the
@@ -15,10 +15,10 @@ import threading
 import httpx
 import pytest
 
-from cluster import Server  # noqa: E402
-from fake_worker import write_fake_model  # noqa: E402
-from fault_tools import Router, shared_tiny_model  # noqa: E402
-from tool_templates import TIME_TOOL, WEATHER_TOOL, use_template  # noqa: E402
+from tests.harness.cluster import Server  # noqa: E402
+from tests.harness.fake_worker import write_fake_model  # noqa: E402
+from tests.harness.fault_tools import Router, shared_tiny_model  # noqa: E402
+from tests.harness.tool_templates import TIME_TOOL, WEATHER_TOOL, use_template  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 openai = pytest.importorskip("openai")
@@ -31,7 +31,7 @@ TOOLS = [WEATHER_TOOL, TIME_TOOL]
 class ScriptedServer(Server):
     def _entry(self) -> list[str]:
         return ["-m", "pdserve.server.launch", "--model-dir", self.model_dir,
-                "--worker-module", "tests.scripted_worker", "--start-timeout", "60"]
+                "--worker-module", "tests.harness.scripted_worker", "--start-timeout", "60"]
 
 
 @pytest.fixture(scope="module")

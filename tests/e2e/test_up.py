@@ -17,8 +17,9 @@ import uuid
 import httpx
 import pytest
 
-from cluster import ROOT, free_port  # noqa: E402
-from tiny_model import make_tiny_model  # noqa: E402
+from pdserve.core.launcher import ProcessGroup, free_port
+from tests.harness.cluster import ROOT  # noqa: E402
+from tests.harness.tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 MARK = "PDSERVE_UP_TEST_MARK"
@@ -61,8 +62,9 @@ class Up:
         self.out_path = os.path.join(log_dir, "up.out")
         self.err_path = os.path.join(log_dir, "up.err")
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT, start_new_session=True,
-                                         env={**os.environ, "PYTHONPATH": ROOT, MARK: self.token})
+            self.group = ProcessGroup(cmd, name="pdserve up", stdout=out, stderr=err, cwd=ROOT,
+                                      env={**os.environ, "PYTHONPATH": ROOT, MARK: self.token})
+        self.proc = self.group.proc
 
     def output(self) -> tuple[str, str]:
         with open(self.out_path, errors="replace") as out, open(self.err_path, errors="replace") as err:
@@ -78,13 +80,13 @@ class Up:
         wait_for(lambda: not marked_pids(self.token), 15, "every child of pdserve up to exit")
 
     def kill_all(self) -> None:
-        """Finalizer: whatever `up` left behind, by pid."""
-        for pid in [self.proc.pid, *marked_pids(self.token)]:
+        """Finalizer: whatever `up` left behind, by pid (its children are in groups of their own)."""
+        self.group.kill()
+        for pid in marked_pids(self.token):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        self.proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")

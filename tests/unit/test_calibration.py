@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from tiny_model import make_tiny_model
+from tests.harness.tiny_model import make_tiny_model
 
 from pdserve.core.host import HostInfo
 from pdserve.engine import calibration as cal

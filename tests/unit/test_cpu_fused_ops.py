@@ -150,7 +150,7 @@ def test_none_without_cpu_support(monkeypatch, tmp_path):
 def test_model_with_fused_ops_is_bit_identical(ops, tmp_path):
     """A bf16 model's prefill and decode hidden states, and a bf16 engine's greedy tokens, are
     the same bits with the fused ops as with the torch formulas."""
-    from tiny_model import make_tiny_model
+    from tests.harness.tiny_model import make_tiny_model
 
     from pdserve.core.sampling import SamplingParams
     from pdserve.engine.attention import AttnBatch

@@ -124,7 +124,7 @@ def test_shapes_it_does_not_take_go_to_the_torch_path(kernel):
 
 
 def test_model_decode_step_with_kernel_matches_torch_path(kernel, tmp_path):
-    from tiny_model import make_tiny_model
+    from tests.harness.tiny_model import make_tiny_model
 
     from pdserve.engine.loader import load_model
 
@@ -146,7 +146,7 @@ def test_model_decode_step_with_kernel_matches_torch_path(kernel, tmp_path):
 
 
 def test_engine_runs_through_the_kernel_and_frees_everything(kernel, tmp_path):
-    from tiny_model import make_tiny_model
+    from tests.harness.tiny_model import make_tiny_model
 
     from pdserve.core.sampling import SamplingParams
     from pdserve.engine.engine import Engine, EngineConfig
@@ -294,7 +294,7 @@ def test_prefill_steps_through_the_kernel(kernel, seq_lens, new_lens):
 def test_a_model_the_kernel_does_not_take_runs_on_the_torch_path(kernel, tmp_path):
     """head_dim 16 (the tiny test model) in bf16: the engine drops the kernel, and a batch
     built with one anyway still attends through torch when the kernel declines the call."""
-    from tiny_model import make_tiny_model
+    from tests.harness.tiny_model import make_tiny_model
 
     from pdserve.core.sampling import SamplingParams
     from pdserve.engine.engine import Engine, EngineConfig
@@ -467,7 +467,7 @@ def test_model_prefill_with_kernel_is_as_close_to_the_torch_path_as_per_query(ke
     """A whole forward of a long prompt chunk after a cached prefix, through the model (head_dim
     32). On random weights bf16 paths part by a few percent (the torch path's SDPA does not
     round scores as HF does); the tiled kernel must be no further off than the per-query one."""
-    from tiny_model import make_tiny_model
+    from tests.harness.tiny_model import make_tiny_model
 
     from pdserve.engine.loader import load_model
 

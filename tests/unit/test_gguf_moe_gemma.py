@@ -1,5 +1,5 @@
 """GGUF round trips of Gemma 2, Gemma 3 (text), Mixtral, Qwen2-MoE and Qwen3-MoE: a tiny HF
-model (tests/tiny_families.py configs) is written as llama.cpp writes it (experts stacked as
+model (tests/harness/tiny_families.py configs) is written as llama.cpp writes it (experts stacked as
 3-D tensors, Gemma norms with +1 folded in, q/k rows permuted for the llama architecture,
 config in metadata keys), converted by our loader, and must give HF's greedy tokens for 32
 new tokens in float32. Files we cannot represent are refused with the reason."""
@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from test_gguf_families import TOKENS, finish_gguf  # noqa: E402
-from tiny_families import TINY, family_config, randomize  # noqa: E402
+from tests.harness.tiny_families import TINY, family_config, randomize  # noqa: E402
 
 from pdserve.model_files import ModelConfig, resolve_model  # noqa: E402
 from pdserve.model_files.resolve import ModelNotFound  # noqa: E402

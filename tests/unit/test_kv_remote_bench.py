@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from pdserve.bench import kv_remote_bench
+from pdserve.core.launcher import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -17,9 +18,7 @@ pytestmark = pytest.mark.timeout(120)
 def test_remote_bench_moves_and_checks_the_bytes(capsys):
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     rx = threading.Thread(target=kv_remote_bench.serve, args=("127.0.0.1", port), daemon=True)
     rx.start()
     args = argparse.Namespace(peer=f"127.0.0.1:{port}", host="127.0.0.1", tokens="64,128", repeats=1,

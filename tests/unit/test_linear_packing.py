@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tiny_model import make_tiny_model  # noqa: E402
+from tests.harness.tiny_model import make_tiny_model  # noqa: E402
 
 from pdserve.core.sampling import SamplingParams  # noqa: E402
 from pdserve.engine.engine import Engine, EngineConfig  # noqa: E402

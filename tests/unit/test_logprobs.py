@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tiny_model import make_tiny_model  # noqa: E402
+from tests.harness.tiny_model import make_tiny_model  # noqa: E402
 
 from pdserve.core.errors import BadRequest  # noqa: E402
 from pdserve.core.logprobs import PromptLogprobs  # noqa: E402

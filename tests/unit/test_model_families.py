@@ -1,8 +1,8 @@
 """Each supported family, as a tiny random-weight model made with transformers' own config
-class (tests/tiny_families.py): our engine, built as a colocated worker builds it and run
+class (tests/harness/tiny_families.py): our engine, built as a colocated worker builds it and run
 in-process, must give HF's greedy tokens for 32 new tokens, exactly in float32 and, in
 bfloat16, HF's exact (float64) choice at every step up to the near-ties bf16 rounding can flip
-(tests/bf16_rounding.py). Windows, soft-caps, q/k norms, partial and scaled RoPE and experts
+(tests/harness/bf16_rounding.py). Windows, soft-caps, q/k norms, partial and scaled RoPE and experts
 are sized so that prompts and outputs pass every threshold (window, original context length).
 Each runs on CPU, and on CUDA where a GPU is present. Also: config fields, fingerprints,
 context-length and dtype rules, MoE grouping."""
@@ -16,8 +16,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from bf16_rounding import LOW, RandomBf16Rounding, round_either_way  # noqa: E402
-from tiny_families import FAMILIES, family_config, randomize  # noqa: E402
+from tests.harness.bf16_rounding import LOW, RandomBf16Rounding, round_either_way  # noqa: E402
+from tests.harness.tiny_families import FAMILIES, family_config, randomize  # noqa: E402
 
 from pdserve.core.config import ServerConfig  # noqa: E402
 from pdserve.core.sampling import SamplingParams  # noqa: E402

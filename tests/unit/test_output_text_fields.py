@@ -16,7 +16,7 @@ from pdserve.server.protocol import RequestItem
 from pdserve.server.request_state import ItemProgress
 from pdserve.server.text_options import StopInText, TextOptions
 from pdserve.server.tokenizer import ServerTokenizer
-from tests.fake_worker import write_fake_model
+from tests.harness.fake_worker import write_fake_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -27,7 +27,7 @@ from pdserve.server.openai_protocol import parse_chat, parse_completion
 from pdserve.server.request_state import ItemProgress
 from pdserve.server.resume import ProgressLines, parse_resume
 from pdserve.server.tokenizer import ServerTokenizer
-from tests.fake_worker import write_fake_model
+from tests.harness.fake_worker import write_fake_model
 from tests.unit.test_server_protocol import LetterTok, letters
 
 DECODE = Upstream("http://d1", Role.DECODE, HealthTracker(1, 1))

@@ -14,7 +14,7 @@ from pdserve.server.openai_protocol import parse_chat, parse_completion
 from pdserve.server.protocol import DEFAULT_BOOTSTRAP_PORT, RequestItem
 from pdserve.server.request_state import ItemProgress, held_back
 from pdserve.server.tokenizer import ServerTokenizer
-from tests.fake_worker import write_fake_model
+from tests.harness.fake_worker import write_fake_model
 
 ROUTER_BODY = {  # what sglang-router 0.3.2 sends (reference/sglang-router-0.3.2.md)
     "text": "The capital of France is", "model": None,

@@ -12,8 +12,8 @@ import re
 import pytest
 import torch
 
-from fake_worker import write_fake_model
-from tiny_model import make_tiny_model
+from tests.harness.fake_worker import write_fake_model
+from tests.harness.tiny_model import make_tiny_model
 
 from pdserve.core.errors import BadRequest
 from pdserve.core.grammar_spec import GrammarKind, choice_spec, json_schema_spec, regex_spec

@@ -29,8 +29,8 @@ from pdserve.server.tokenize_api import detokenize, tokenize
 from pdserve.server.tokenizer import ServerTokenizer
 from pdserve.server.tool_parsers import HermesToolParser, Llama3JsonToolParser, ToolCall, detect_tool_parser
 from pdserve.server.tools import RequiredCallsParser
-from tests.fake_worker import CHATML_TEMPLATE, write_fake_model
-from tests.tool_templates import HERMES_TEMPLATE, TIME_TOOL, WEATHER_TOOL, use_template
+from tests.harness.fake_worker import CHATML_TEMPLATE, write_fake_model
+from tests.harness.tool_templates import HERMES_TEMPLATE, TIME_TOOL, WEATHER_TOOL, use_template
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 CALL2 = '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'

@@ -1,32 +1,36 @@
-"""A torch-free stand-in for `pdserve.engine.engine.Engine`, for worker-role tests (tests only).
+"""A torch-free stand-in for `pdserve.engine.engine.Engine`, for worker-role tests and the fake
+worker processes (tests only).
 
-It has what the roles (pdserve/worker/*.py) call -- validate, add, abort, release, reserve,
-add_prefilled, pool.layout() -- plus has_work/step for the test's hand-driven loop, with the
-real engine's semantics where the roles depend on them:
+It has what the roles and the worker loop (pdserve/worker/*.py) call -- validate, add, abort,
+release, reserve, add_prefilled, has_work, step, stats, flush_cache, seqs, pool.layout() --
+with the real engine's semantics where they depend on them, built from the engine's own
+torch-free parts: its page allocator (`engine/allocator.PageAllocator`), its prefix cache turned
+off (`engine/prefix_cache.PrefixCache`: nothing cached, what decode admission reads), and its
+step types (`engine/step_io`: EngineRequest, StepOutput, EngineStats).
 
 - No model. One `step()` prefills every waiting request whose whole prompt fits the free pages
   (arrival order, stopping at the first that does not fit) and decodes one token of every
   request already running (one that cannot get a page for its next token skips the step; the
   real engine would preempt). Tokens are deterministic: next = (last * 31 + 7) % vocab_size,
-  from the prompt's last id, as tests/fake_worker.py; logprobs are `fake_logprob(token)`.
+  from the prompt's last id (`next_token`; a subclass may script them, see `_next_token`);
+  logprobs are `fake_logprob(token)`. `step_s` > 0 paces the steps (the fake worker's knob).
 - A real KV pool: a numpy float32 buffer [num_layers, 2, num_pages, page_size, heads, dim] whose
   `layout()` a transfer backend can register, so FakeBackend page writes really move bytes.
   Computing a token writes `kv_pattern(token, position)` into its slot of every region, so a
   test can compare pages across engines (`pool.read`) and `add_prefilled` records in `imports`
   whether the imported pages really hold the prompt's KV.
-- Pages come from a free-list allocator that counts free pages and refuses double frees.
-  Finished requests free their pages unless they asked to hold them (hold_kv): those stay in
+- Finished requests free their pages unless they asked to hold them (hold_kv): those stay in
   `held` (and in StepOutput.held_pages) until abort() or release(), as do reserve()d pages
   until release() or add_prefilled(). No prefix cache: freed pages are free at once.
 - `leaks()` says which pages are not back (held, reserved, owned by a request, or lost).
 
-Importing this module does not import torch (pdserve.engine.* does), so it carries its own
-copy of `StepOutput`, field for field the engine's (tests/disagg/test_worker_roles.py checks that).
-Requests are duck-typed: anything with the fields of `pdserve.engine.sequence.EngineRequest`.
+Importing this module does not import torch (the engine's model and kernels do).
+Requests are `EngineRequest`s, or anything with their fields.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -34,6 +38,9 @@ import numpy as np
 
 from pdserve.core.errors import BadRequest
 from pdserve.core.kv_layout import KVLayout
+from pdserve.engine.allocator import PageAllocator
+from pdserve.engine.prefix_cache import PrefixCache
+from pdserve.engine.step_io import EngineStats, StepOutput
 
 
 def next_token(prev: int, vocab: int) -> int:
@@ -51,23 +58,6 @@ def fake_continuation(prompt: list[int], n: int, vocab: int) -> list[int]:
         prev = next_token(prev, vocab)
         out.append(prev)
     return out
-
-
-@dataclass
-class StepOutput:
-    """Copy of pdserve.engine.sequence.StepOutput (that module imports torch)."""
-
-    rid: str
-    token_id: int | None
-    logprob: float | None = None
-    finished: bool = False
-    finish_reason: dict | None = None
-    input_logprobs: list[float | None] | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    held_pages: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -124,41 +114,6 @@ def kv_pattern(tokens: list[int], start: int, regions: int, shape: tuple[int, in
     return (((tok * 131 + pos * 17 + reg * 7) % 997) + 1 + elem / 64).astype(np.float32)
 
 
-class FakeAllocator:
-    """Free list over the pool's pages (low pages first), all-or-nothing, double frees refused."""
-
-    def __init__(self, num_pages: int):
-        self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))
-        self._used = bytearray(num_pages)
-
-    @property
-    def free_count(self) -> int:
-        return len(self._free)
-
-    def alloc(self, n: int) -> list[int] | None:
-        if n > len(self._free):
-            return None
-        pages = [self._free.pop() for _ in range(n)]
-        for p in pages:
-            self._used[p] = 1
-        return pages
-
-    def free(self, pages: list[int]) -> None:
-        for p in pages:
-            if not self._used[p]:
-                raise RuntimeError(f"double free of KV page {p}")
-            self._used[p] = 0
-        self._free.extend(reversed(pages))
-
-
-class NoPrefixCache:
-    """FakeEngine's prefix cache: off, nothing cached (what decode admission reads of it)."""
-
-    enabled = False
-    cached_pages = 0
-
-
 @dataclass(eq=False)
 class FakeSeq:
     req: object  # EngineRequest-like: rid, prompt_ids, sampling, return_logprob, hold_kv
@@ -179,12 +134,14 @@ class FakeSeq:
 class FakeEngine:
     def __init__(self, num_pages: int = 16, page_size: int = 4, *, model_cfg: FakeModelConfig | None = None,
                  vocab_size: int = 1000, max_context: int = 256, max_running: int = 64,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), step_s: float = 0.0):
         self.model_cfg = model_cfg or FakeModelConfig()
         m = self.model_cfg
         self.pool = FakeKVPool(m.num_layers, num_pages, page_size, m.num_kv_heads, m.head_dim)
-        self.allocator = FakeAllocator(num_pages)
-        self.cache = NoPrefixCache()
+        self.allocator = PageAllocator(num_pages)
+        self.cache = PrefixCache(self.allocator, page_size, enabled=False)
+        self.step_s = step_s
+        self._next_step = 0.0  # monotonic time the next paced step may start
         self.num_pages, self.page_size = num_pages, page_size
         self.vocab_size, self.max_context, self.max_running = vocab_size, max_context, max_running
         self.eos_token_ids = eos_token_ids
@@ -270,8 +227,27 @@ class FakeEngine:
                 out.input_logprobs, out.input_top_logprobs = prompt_logprobs, prompt_top
         return out
 
+    def stats(self) -> EngineStats:
+        return EngineStats(total_pages=self.num_pages, free_pages=self.allocator.free_count,
+                           cached_pages=self.cache.cached_pages, running=len(self.running),
+                           waiting=len(self.waiting), held_pages=sum(len(p) for p in self.held.values()),
+                           cache=self.cache.counters())
+
+    def flush_cache(self) -> int:
+        return self.cache.flush()
+
     # ---- one step ---------------------------------------------------------------------------
+    def _next_token(self, seq: FakeSeq) -> int:
+        """The token `seq` samples next (subclasses script their own)."""
+        return next_token((seq.output_ids or seq.req.prompt_ids)[-1], self.vocab_size)
+
+    def _pace(self) -> None:
+        if self.step_s > 0:
+            time.sleep(max(0.0, self._next_step - time.monotonic()))
+            self._next_step = time.monotonic() + self.step_s
+
     def step(self) -> list[StepOutput]:
+        self._pace()
         decodes = list(self.running)
         outs = [o for seq in decodes if (o := self._decode(seq)) is not None]
         for seq in list(self.waiting):
@@ -289,7 +265,7 @@ class FakeEngine:
             if seq.req.sampling.max_new_tokens == 0:
                 outs.append(self._finish(seq, None, None, {"type": "length", "length": 0}))
             else:
-                tok = next_token(prompt[-1], self.vocab_size)
+                tok = self._next_token(seq)
                 outs.append(self._emit(seq, tok, fake_logprob(tok)))
         return outs
 
@@ -304,7 +280,7 @@ class FakeEngine:
         last = seq.output_ids[-1]
         self.pool.write(seq.pages, seq.num_computed, [last])
         seq.num_computed += 1
-        tok = next_token(last, self.vocab_size)
+        tok = self._next_token(seq)
         return self._emit(seq, tok, fake_logprob(tok))
 
     def _emit(self, seq: FakeSeq, token: int, logprob: float | None) -> StepOutput:

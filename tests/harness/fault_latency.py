@@ -1,6 +1,6 @@
 """How long a client waits for its answer after a fault (a measurement, not a test).
 
-    python tests/fault_latency.py [--reps 3]
+    python -m tests.harness.fault_latency [--reps 3]
 
 Starts tiny-model servers on 127.0.0.1 (FAST_ENV deadlines: heartbeat 0.5 s x 2, bootstrap
 8 s, waiting 20 s), injects each fault `--reps` times inside a widened window, and prints a
@@ -13,15 +13,13 @@ import argparse
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster import FAST_ENV, pd_body  # noqa: E402
-from fault_tools import KnobServer, Legs, Router, kv_req_sent, room_on, wait_for  # noqa: E402
-from fault_tools import prefilling as busy  # noqa: E402
-from tiny_model import make_tiny_model  # noqa: E402
+from .cluster import FAST_ENV, pd_body
+from .fault_tools import KnobServer, Legs, Router, kv_req_sent, room_on, wait_for
+from .fault_tools import prefilling as busy
+from .tiny_model import make_tiny_model
 
 LONG = "hello " * 100
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from cluster import Server, stop_all
-from fault_tools import flush_cache
+from .cluster import Server, stop_all
+from .fault_tools import flush_cache
 
 IDLE_S = 20.0  # a lent server's last requests have had the module's own deadlines to end
 DEFAULT_MODEL = "smollm2-135m"

@@ -5,8 +5,8 @@ host directly) and `lan.host(name)` a namespace joined to it by a veth pair, wit
 and fd13:213:K::N/64 on its end and nothing else but loopback. `partition(host)` / `heal(host)` take that host's veth
 down and up; `cap(host, rate)` puts a `tc tbf` bandwidth cap on the traffic towards it.
 `lan.close()` deletes every namespace (their veths go with them) and the bridge.
-`NsProcess` runs a command inside a host and stops it by process group;
-`python -m tests.netns NS CMD...` (used by `ns_server`) execs CMD inside namespace NS.
+`NsProcess` runs a command inside a host and stops it by process group (core/launcher.py);
+`python -m tests.harness.netns NS CMD...` (used by `ns_server`) execs CMD inside namespace NS.
 Needs root and `ip`; `unavailable()` says why not, for a skip.
 """
 
@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+
+from pdserve.core.launcher import ProcessGroup
 
 IP_TIMEOUT_S = 10.0
 
@@ -134,29 +135,18 @@ class NsProcess:
 
     def __init__(self, host: Host, cmd: list[str], log_path: str, env: dict | None = None, cwd: str | None = None):
         self.host, self.log_path = host, log_path
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(["ip", "netns", "exec", host.ns, *cmd], stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd,
-                                     env={**os.environ, **(env or {})})
+        self.group = ProcessGroup(["ip", "netns", "exec", host.ns, *cmd], name=f"{cmd[0]} in {host.name}",
+                                  log_path=log_path, cwd=cwd, env={**os.environ, **(env or {})})
+
+    @property
+    def proc(self):
+        return self.group.proc
 
     def tail(self, n: int = 3000) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()[-n:]
+        return self.group.output()[-n:]
 
     def stop(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if self.proc.poll() is not None:
-                break
-            try:
-                os.killpg(self.proc.pid, sig)
-                self.proc.wait(timeout=10)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # anything it left behind in its group
-        except ProcessLookupError:
-            pass
-        self.log.close()
+        self.group.stop(grace_s=10.0)
 
 
 def ns_server(base: type, host: Host, role: str, model_dir: str, v6: bool = False, **kw):
@@ -166,7 +156,7 @@ def ns_server(base: type, host: Host, role: str, model_dir: str, v6: bool = Fals
 
     class InNamespace(base):
         def _entry(self) -> list[str]:
-            return ["-m", "tests.netns", host.ns, sys.executable, *super()._entry()]
+            return ["-m", "tests.harness.netns", host.ns, sys.executable, *super()._entry()]
 
         @property
         def url(self) -> str:
@@ -192,5 +182,5 @@ def wait_for(pred, timeout: float, what: str, step: float = 0.1):
     raise AssertionError(f"{what}: not within {timeout}s")
 
 
-if __name__ == "__main__":  # python -m tests.netns NS CMD...: exec CMD inside namespace NS
+if __name__ == "__main__":  # python -m tests.harness.netns NS CMD...: exec CMD inside namespace NS
     os.execvp("ip", ["ip", "netns", "exec", sys.argv[1], *sys.argv[2:]])

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from fake_worker import write_fake_model
+from .fake_worker import write_fake_model
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,

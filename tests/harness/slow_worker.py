@@ -1,7 +1,7 @@
 """The real DP worker (`python -m pdserve.worker`) with knobs that widen fault windows (tests only).
 
-Run as `python -m tests.slow_worker ...` with the worker's own arguments (a front started with
-`--worker-module tests.slow_worker`). The knobs live in the JSON file named by
+Run as `python -m tests.harness.slow_worker ...` with the worker's own arguments (a front started with
+`--worker-module tests.harness.slow_worker`). The knobs live in the JSON file named by
 SLOW_WORKER_CONTROL and are re-read when it changes, so one server can be fast for set-up and
 slow while a test injects a fault:
   step_s      seconds slept before every engine step that has work (prefill chunks, decode steps)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from fake_worker import write_fake_model
+from .fake_worker import write_fake_model
 
 
 def make_tiny_model(path: str, seed: int = 0, max_context: int = 512, layers: int = 2,

@@ -1,18 +1,20 @@
-"""Real pdserve server processes on 127.0.0.1 for end-to-end tests, always stopped by pid."""
+"""Real pdserve server processes on 127.0.0.1 for end-to-end tests, each a process group
+(core/launcher.py) always stopped by pid."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 
 import httpx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from pdserve.core import launcher
+from pdserve.core.launcher import LaunchError, ProcessGroup, free_port, http_ok  # a test may patch cluster.free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FAST_ENV = {  # short deadlines so failures show up in seconds
     "PDSERVE_BOOTSTRAP_TIMEOUT": "8", "PDSERVE_WAITING_TIMEOUT": "20",
     "PDSERVE_DP_RANK_QUERY_TIMEOUT": "10", "PDSERVE_TOPOLOGY_TIMEOUT": "5",
@@ -21,12 +23,6 @@ FAST_ENV = {  # short deadlines so failures show up in seconds
     # take (tests of partitions set their own), long enough to see them held
     "PDSERVE_KV_QUARANTINE_TIMEOUT": "4",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -61,9 +57,12 @@ class Server:
         full_env = {**os.environ, **FAST_ENV, **self._env, "PYTHONPATH": ROOT}
         self.log_path = os.path.join(self._log_dir,
                                      f"pdserve-{self.role}-{self.port}-{time.monotonic_ns()}.log")
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(args, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=ROOT)
+        self.group = ProcessGroup(args, name=f"{self.role} server", log_path=self.log_path, env=full_env, cwd=ROOT)
+
+    @property
+    def proc(self):
+        """The front's subprocess.Popen (the leader of the server's process group)."""
+        return self.group.proc
 
     def _port_was_taken(self) -> bool:
         """The server exited because another process bound its free port after free_port()
@@ -77,23 +76,18 @@ class Server:
 
     def wait_ready(self, timeout: float = 180.0) -> "Server":
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._port_was_taken():
-                self.stop()
-                self._launch()
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.role} server exited ({self.proc.returncode}):\n{self.tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)  # a module waits on its servers one after another: short polls add little
-        raise RuntimeError(f"{self.role} server not ready in {timeout}s:\n{self.tail()}")
+        while True:
+            try:  # a module waits on its servers one after another: short polls add little
+                self.group.wait_healthy(lambda: http_ok(self.url + "/health", 1.0), deadline - time.monotonic(),
+                                        what=self.url + "/health", poll_s=0.05)
+                return self
+            except LaunchError as e:
+                if e.returncode is None or not self._port_was_taken():
+                    raise
+            self._launch()
 
     def tail(self, n: int = 40) -> str:
-        with open(self.log_path) as f:
-            return "".join(f.readlines()[-n:])
+        return self.group.tail(n)
 
     def info(self) -> dict:
         return httpx.get(self.url + "/server_info", timeout=10).json()
@@ -111,24 +105,11 @@ class Server:
             time.sleep(0.1)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
+        """`sig` to the whole group (front and workers); no wait."""
+        self.group.signal(sig)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.kill(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill(signal.SIGKILL)  # the workers too, whatever happened to the front
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        self.log.close()
+        self.group.stop()
 
 
 def start_all(servers: list[Server]) -> list[Server]:
@@ -139,15 +120,7 @@ def start_all(servers: list[Server]) -> list[Server]:
 
 def stop_all(servers: list[Server]) -> None:
     """Stop servers together: every front gets SIGTERM first, so their shutdowns overlap."""
-    for s in servers:
-        if s.proc.poll() is None:
-            s.kill(signal.SIGTERM)
-    for s in servers:
-        try:
-            s.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            pass  # stop() signals again, then kills the group
-        s.stop()
+    launcher.stop_all([s.group for s in servers])
 
 
 def pd_body(body: dict, prefill: Server, room: int, **extra) -> dict:

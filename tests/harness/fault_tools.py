@@ -2,7 +2,8 @@
 keep legs in flight, /proc probes (worker pids, fds, threads, RSS), and the predicates that say
 a request is in its prefill, transfer or decode window (read from server_info).
 
-Every process starts in its own process group on free 127.0.0.1 ports and is stopped by pid.
+Every process starts in its own process group (core/launcher.py) on free 127.0.0.1 ports and is
+stopped by pid.
 """
 
 from __future__ import annotations
@@ -11,17 +12,17 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster import ROOT, Server, free_port  # noqa: E402
-from pdserve.disagg.handoff import HandoffState  # noqa: E402
-from tiny_model import make_tiny_model  # noqa: E402
+from pdserve.core.launcher import ProcessGroup, http_ok
+from pdserve.disagg.handoff import HandoffState
+
+from .cluster import ROOT, Server, free_port
+from .tiny_model import make_tiny_model
 
 
 def shared_tiny_model(tmp_path_factory) -> str:
@@ -88,7 +89,7 @@ def alive(pid: int) -> bool:
 
 # ---- servers --------------------------------------------------------------------------------
 class KnobServer(Server):
-    """A `cluster.Server` whose DP workers are `tests.slow_worker` (fault windows on demand), on
+    """A `cluster.Server` whose DP workers are `tests.harness.slow_worker` (fault windows on demand), on
     given or free ports (a restart reuses the same ones)."""
 
     def __init__(self, role: str, model_dir: str, dp: int = 1, extra: list[str] | None = None,
@@ -101,7 +102,7 @@ class KnobServer(Server):
 
     def _entry(self) -> list[str]:
         return ["-m", "pdserve.server.launch", "--model-dir", self.model_dir,
-                "--worker-module", "tests.slow_worker", "--start-timeout", "120"]
+                "--worker-module", "tests.harness.slow_worker", "--start-timeout", "120"]
 
     def slow(self, step_s: float = 0.0, transfer_s: float = 0.0) -> None:
         """Set the workers' fault-window knobs (read before their next step or write)."""
@@ -152,27 +153,23 @@ class Router:
         for d in decodes:
             cmd += ["--decode", d.url]
         self.log_path = os.path.join(log_dir, f"router-{self.port}-{time.monotonic_ns()}.log")
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env={**os.environ, "PYTHONPATH": ROOT}, start_new_session=True)
+        self.group = ProcessGroup(cmd, name="router", log_path=self.log_path, cwd=ROOT,
+                                  env={**os.environ, "PYTHONPATH": ROOT})
+
+    @property
+    def proc(self):
+        return self.group.proc
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def tail(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()[-3000:]
+        return self.group.output()[-3000:]
 
     def wait_healthy(self, timeout: float = 60.0, headers: dict | None = None) -> "Router":
-        def healthy() -> bool:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited ({self.proc.returncode}):\n{self.tail()}")
-            try:
-                return httpx.get(self.url + "/health", timeout=2, headers=headers).status_code == 200
-            except httpx.HTTPError:
-                return False
-        wait_for(healthy, timeout, f"router {self.url} healthy", self.tail)
+        self.group.wait_healthy(lambda: http_ok(self.url + "/health", 2.0, headers), timeout,
+                                what=self.url + "/health", poll_s=0.05)
         return self
 
     def restart(self) -> "Router":
@@ -180,23 +177,10 @@ class Router:
         return Router(self.prefills, self.decodes, *self.flags, log_dir=self.log_dir, port=self.port)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
+        self.group.signal(sig)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.kill(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill(signal.SIGKILL)
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        self.log.close()
+        self.group.stop(grace_s=10.0)
 
 
 # ---- clients --------------------------------------------------------------------------------
