@@ -9,12 +9,9 @@ sends an ERROR frame back, which the sender raises on its next call to that peer
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import secrets
-import select
 import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,6 +19,7 @@ from dataclasses import dataclass, field
 from ..core.kv_layout import KVLayout
 from ..core.netaddr import AddressError, family_of, host_port, resolve_advertise_host, strip_brackets
 from . import tcp_wire as wire
+from .tcp_socket import arm_deadline, closed_by_peer, is_same_host, shutdown, tune
 from .base import Inbox, PageCopy, TransferBackend, TransferError, memory_view, out_of_bounds, peer_name
 
 log = logging.getLogger(__name__)
@@ -73,6 +71,8 @@ class TcpBackend(TransferBackend):
         self._acceptor: threading.Thread | None = None
         self._mem = memoryview(bytearray())
 
+    _same_host = staticmethod(is_same_host)  # a seam: tests take other hosts' send path on loopback
+
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, advertise: str = "") -> dict:
         if self.endpoint is not None or self._closed:
@@ -87,7 +87,7 @@ class TcpBackend(TransferBackend):
         lst = socket.socket(family_of(host), socket.SOCK_STREAM)
         try:
             lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self._tune(lst)  # accepted sockets inherit the buffer sizes (window scale is set at SYN)
+            tune(lst, self.sockbuf_bytes)  # accepted sockets inherit the buffer sizes (window scale is set at SYN)
             lst.bind((host, port))
             lst.listen(128)
         except OSError as e:
@@ -113,9 +113,9 @@ class TcpBackend(TransferBackend):
         self._stop.set()
         self._inbox.close()  # wakes a blocked recv()
         for conn in outs:
-            self._shutdown(conn.sock)  # without the lock: a blocked sendall fails at once
+            shutdown(conn.sock)  # without the lock: a blocked sendall fails at once
         for sock in [self._listener, *inbound]:
-            self._shutdown(sock)  # wakes accept() and recv_into() at once on Linux
+            shutdown(sock)  # wakes accept() and recv_into() at once on Linux
         for t in [self._acceptor, *readers]:
             if t is not None and t is not threading.current_thread():
                 t.join(timeout=5.0)
@@ -162,12 +162,12 @@ class TcpBackend(TransferBackend):
         for dead in old:
             self._drop_conn(dead)
         with conn.lock:
-            closed_by_peer = self._closed_by_peer(conn.sock) if conn.sock is not None else None
-            if closed_by_peer is not None:
+            closed = closed_by_peer(conn.sock) if conn.sock is not None else None
+            if closed is not None:
                 conn.sock.close()
                 conn.sock = None
-                if closed_by_peer:
-                    raise TransferError(f"transfer peer {name} rejected an earlier write: {closed_by_peer}")
+                if closed:
+                    raise TransferError(f"transfer peer {name} rejected an earlier write: {closed}")
             if conn.sock is None:
                 conn.sock = self._connect(peer, name)
                 if self._closed:  # close() ran while we connected: it cannot see this socket
@@ -193,28 +193,14 @@ class TcpBackend(TransferBackend):
             finally:
                 conn.lock.release()
         else:
-            self._shutdown(conn.sock)
-
-    @staticmethod
-    def _closed_by_peer(sock: socket.socket) -> str | None:
-        """None while the connection is open; else the peer's ERROR message, or "" if it just closed.
-        (Receivers only ever send on an inbound connection to report an error.)"""
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
-        if not poller.poll(0):
-            return None
-        try:
-            kind, _, n = wire.read_frame(sock)
-            return str(wire.read_dict(sock, n).get("message")) if kind == Frame.ERROR else ""
-        except (OSError, ValueError):
-            return ""
+            shutdown(conn.sock)
 
     def _connect(self, peer: dict, name: str) -> socket.socket:
         deadline = time.monotonic() + self.connect_timeout
         sock = socket.socket(family_of(peer["ip"]), socket.SOCK_STREAM)
         same_host = self._same_host(peer["ip"], self.endpoint["ip"])
         try:
-            self._tune(sock, same_host)
+            tune(sock, self.local_sockbuf_bytes if same_host else self.sockbuf_bytes)
             sock.settimeout(self.connect_timeout)
             sock.connect((peer["ip"], int(peer["port"])))
             sock.settimeout(max(deadline - time.monotonic(), 1e-3))
@@ -223,7 +209,7 @@ class TcpBackend(TransferBackend):
             ack = wire.read_dict(sock, n)
             if kind != Frame.HELLO_ACK or not ack.get("ok"):
                 raise TransferError(f"transfer peer {name} refused the connection: {ack.get('error')}")
-            self._arm_deadline(sock, same_host)
+            arm_deadline(sock, self.io_timeout, same_host)
             return sock
         except TransferError:
             sock.close()
@@ -261,7 +247,8 @@ class TcpBackend(TransferBackend):
         try:
             # The listener's buffers (autotuned or sockbuf_bytes) set the window scale at SYN;
             # a same-host peer shrinks them.
-            self._tune(sock, self._same_host(sock.getpeername()[0], sock.getsockname()[0]))
+            tune(sock, self.local_sockbuf_bytes if self._same_host(sock.getpeername()[0], sock.getsockname()[0])
+                 else self.sockbuf_bytes)
             sender = self._handshake(sock)
             if sender is not None:
                 self._read_frames(sock, sender)
@@ -319,42 +306,3 @@ class TcpBackend(TransferBackend):
         return self._inbox.take(timeout)
 
     # -- helpers -------------------------------------------------------------------------------
-    def _tune(self, sock: socket.socket, same_host: bool = False) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        nbytes = self.local_sockbuf_bytes if same_host else self.sockbuf_bytes
-        if nbytes > 0:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, nbytes)
-
-    def _arm_deadline(self, sock: socket.socket, same_host: bool) -> None:
-        """Bound every send on an outbound connection by io_timeout without progress.
-
-        To another host the socket is non-blocking and each sendmsg waits in poll: a blocking
-        send of a 24 MiB frame keeps the socket owned for the whole copy, so the peer's ACKs wait
-        in its backlog and the window opens in bursts; across a veth that moved 0.64-0.79x of a
-        raw socket against a median 0.95-0.99x non-blocking (docs/benchmarks.md, "The send mode").
-        On one host a blocking socket under SO_SNDTIMEO is faster (one sendmsg per frame into the
-        small local buffers, no poll between): 3.6-4.4 GB/s on loopback against 2.2-3.2."""
-        if not same_host:
-            sock.settimeout(self.io_timeout)
-            return
-        sock.settimeout(None)
-        tv = struct.pack("ll", int(self.io_timeout), int(self.io_timeout % 1 * 1e6))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-
-    @staticmethod
-    def _same_host(peer_ip: str, local_ip: str) -> bool:
-        """Whether a connection between these addresses stays inside this machine."""
-        try:
-            return peer_ip == local_ip or ipaddress.ip_address(peer_ip).is_loopback
-        except ValueError:
-            return False
-
-    @staticmethod
-    def _shutdown(sock: socket.socket | None) -> None:
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
