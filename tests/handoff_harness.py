@@ -5,6 +5,7 @@ message pumps and polls with deadlines. Fixtures over it live in tests/conftest.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,10 +19,10 @@ from pdserve.disagg.decode_events import (CancelResolve, GiveUp, Invalidate, Pee
                                           Resolve)
 from pdserve.disagg.handoff import HandoffState
 from pdserve.disagg.kv_receiver import DecodeReceiver, ReceiverLimits
+from pdserve.disagg.local_facts import LocalFacts
 from pdserve.disagg.link_api import Inbox, LinkEffect, PeerLink
 from pdserve.disagg.kv_sender import PrefillSender
 from pdserve.disagg.resolution import Resolved
-from pdserve.transfer.base import layout_to_dict
 from pdserve.transfer.fake import FakeBackend, FakeFabric
 
 S = HandoffState
@@ -234,9 +235,8 @@ def make_link(*, decode_local: dict | None = None, free: list[int] | None = None
     d_mem, d_layout = make_memory(seed=None)
     pbe, dbe = GatedBackend(fabric), FakeBackend(fabric)
     p_ep, d_ep = pbe.start(p_layout), dbe.start(d_layout)
-    common = {"backend": "fake", "page_size": PAGE_SIZE, "kv_dtype": "float32", "fingerprint": FP}
-    p_local = {**common, "layout": layout_to_dict(p_layout), "endpoint": p_ep}
-    d_local = {**common, "layout": layout_to_dict(d_layout), "endpoint": d_ep, **(decode_local or {})}
+    p_local = LocalFacts.of("fake", p_layout, FP, p_ep)
+    d_local = dataclasses.replace(LocalFacts.of("fake", d_layout, FP, d_ep), **(decode_local or {}))
     pool = PagePool([9, 3, 4, 12, 13, 14, 0, 6, 7, 8] if free is None else free)
     wakes: list = []
     sender = PrefillSender(pbe, 0, p_local, bootstrap_timeout=bootstrap_timeout,

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, TypeVar
 
+from ..transfer.base import Endpoint
 from ..core.config import Role
 from ..core.envs import Envs
 from ..core.errors import BadRequest, Unavailable
@@ -48,7 +49,7 @@ class RankInfo:
     kv_cache_dtype: str
     load_balance_method: str
     fingerprint: dict = field(default_factory=dict)  # architecture, layers, KV heads, head dim
-    endpoint: dict = field(default_factory=dict)  # the transfer backend's descriptor
+    endpoint: Endpoint = field(default_factory=dict)  # the transfer backend's descriptor
     transfer_backend: str = "tcp"
 
     @classmethod

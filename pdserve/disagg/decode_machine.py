@@ -32,18 +32,19 @@ from .decode_events import (Abort, CancelResolve, DecodeAccept, DecodeEffect, De
 from .decode_messages import kv_abort, kv_req, room_report
 from .decode_rooms import DecodeRoom, DecodeState
 from .handoff import HandoffDone
+from .local_facts import LocalFacts
 from .machine_events import HandoffMachine, Tick
 
 D = DecodeState
 
 
 class DecodeHandoffs(HandoffMachine[DecodeEffect]):
-    """Every handoff of one decode DP worker. `local`: backend, endpoint, layout, page_size,
-    kv_dtype, fingerprint of this worker."""
+    """Every handoff of one decode DP worker. `local`: what this worker is (its
+    backend, endpoint, layout, page size, KV dtype, model fingerprint)."""
 
     SIDE = "decode"
 
-    def __init__(self, dp_rank: int, local: dict, *, waiting_timeout: float, abort_grace: float = 5.0,
+    def __init__(self, dp_rank: int, local: LocalFacts, *, waiting_timeout: float, abort_grace: float = 5.0,
                  quarantine: float = 360.0, queue: HandoffQueue | None = None):
         self.dp_rank = dp_rank
         self.local = local
@@ -86,7 +87,7 @@ class DecodeHandoffs(HandoffMachine[DecodeEffect]):
             return
         if res.error is not None:
             return self._fail(r, res.error, res.cause, ev.now, out, tell_prefill=False)
-        ours = self.local["backend"]
+        ours = self.local.backend
         theirs = res.info.transfer_backend if res.info is not None else ours
         if theirs != ours:
             reason = (f"room {r.room}: prefill {r.addr} dp_rank {res.rank} uses transfer backend "

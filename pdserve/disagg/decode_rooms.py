@@ -56,6 +56,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 
+from ..transfer.base import Endpoint
 from ..core.failures import FailureCause
 from .decode_events import Reservation
 from .handoff import Handoff, HandoffState, IllegalTransition, Side
@@ -153,7 +154,7 @@ class DecodeRoom:
         self.state = to
         self.entered[to] = now
 
-    def point_at(self, rank: int, endpoint: dict) -> None:
+    def point_at(self, rank: int, endpoint: Endpoint) -> None:
         """The rank this room resolved to forwarded our KvReq to `rank` (KvMoved), which holds
         the room: later aborts go to that rank's `endpoint`. No-op before a resolution."""
         res = self.resolved

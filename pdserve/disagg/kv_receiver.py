@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..transfer.base import Endpoint
 from ..core.errors import PDServeError
 from ..transfer.base import TransferBackend, TransferError
 from . import wire
@@ -46,6 +47,7 @@ from .decode_events import (Abort, DecodeAccept, DecodeEffect, DecodeReport, Fro
 from .decode_machine import DecodeHandoffs
 from .decode_rooms import DecodeRoom, DecodeState
 from .handoff import HandoffDone
+from .local_facts import LocalFacts
 from .link_api import LINK_EFFECTS, Inbox, PeerLink
 from .machine_events import Event, Tick
 from .resolution import Resolved
@@ -71,7 +73,7 @@ class DecodeReceiver:
     answers pages (a Reservation, or a list of pages), None while they do not fit, or raises
     PDServeError for a prompt that never will; `wake` makes the worker loop turn (any thread)."""
 
-    def __init__(self, backend: TransferBackend, dp_rank: int, local: dict, *, link: PeerLink,
+    def __init__(self, backend: TransferBackend, dp_rank: int, local: LocalFacts, *, link: PeerLink,
                  reserve: Callable[[str, int], Reservation | list[int] | None],
                  wake: Callable[[], None] = lambda: None, limits: ReceiverLimits = ReceiverLimits()):
         self.backend = backend
@@ -208,7 +210,7 @@ class DecodeReceiver:
             err = f"room {room}: sending metadata to prefill {res.addr} dp_rank {res.rank} failed: {e}"
         self.inbox.post(KvReqSent(room, sent_at, err))
 
-    def _quiet_send(self, peer: dict, msg: dict) -> None:
+    def _quiet_send(self, peer: Endpoint, msg: dict) -> None:
         try:
             self.backend.send(peer, msg)
         except (TransferError, OSError) as e:

@@ -24,11 +24,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
+from ..transfer.base import Endpoint
 from ..core.failures import FailureCause
 from ..core.log_format import fields
 from ..transfer.base import TransferBackend, TransferError, peer_name
 from . import wire
 from .handoff import HandoffDone
+from .local_facts import LocalFacts
 from .machine_events import Event, Tick
 from .prefill_events import (Drop, Fail, FromDecode, MarkFailed, PrefillAccept, PrefillDone, PrefillEffect,
                              PrefillReport, RoomRouted, Send, StartWrite, WriteFacts, WriteReturned)
@@ -40,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 class PrefillSender:
-    def __init__(self, backend: TransferBackend, dp_rank: int, local: dict, *,
+    def __init__(self, backend: TransferBackend, dp_rank: int, local: LocalFacts, *,
                  bootstrap_timeout: float, failed_ttl: float = 600.0, threads: int = 2,
                  wake=lambda: None, instance_id: str = ""):
         self.backend = backend
@@ -123,7 +125,7 @@ class PrefillSender:
         it is in progress, and a kv_req for it (queued or later) is answered with `reason`."""
         self._step(MarkFailed(room, reason, **_stamp()))
 
-    def room_routed(self, room: int, rank: int, endpoint: dict) -> None:
+    def room_routed(self, room: int, rank: int, endpoint: Endpoint) -> None:
         """The front sent `room` (homed here) to `rank`: a KvReq for it here goes on there."""
         self._step(RoomRouted(room, rank, endpoint, **_stamp()))
 

@@ -19,6 +19,7 @@ from typing import Union
 
 import msgspec
 
+from ..transfer.base import Endpoint
 from ..core.failures import FailureCause
 from . import wire
 from .handoff import HandoffDone
@@ -74,7 +75,7 @@ class Drop(Event):
 class RoomRouted(Event):
     room: int
     rank: int
-    endpoint: dict
+    endpoint: Endpoint
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class Send:
     """Send `msg` to `peer`; then `on_sent` if it went out, else `on_error` (a KvFail whose reason
     gets ": <the error>" appended, see `failed`). A failed send without `on_error` is only logged."""
 
-    peer: dict
+    peer: Endpoint
     msg: wire.Message
     on_sent: Send | None = None
     on_error: Send | None = None
@@ -125,7 +126,7 @@ class StartWrite:
     (bytes, timings) filled in; whatever happens, come back as one WriteReturned."""
 
     room: int
-    peer: dict
+    peer: Endpoint
     layout: dict
     src_pages: list[int]
     dst_pages: list[int]

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import msgspec
 
+from ..transfer.base import Endpoint
 from ..core.failures import FailureCause, rejection_cause
 from ..core.timeline import Stage
 from ..transfer.base import peer_name
 from . import wire
 from .handoff import HandoffDone, HandoffState, IllegalTransition
+from .local_facts import LocalFacts
 from .machine_events import Event, HandoffMachine, Tick
 from .prefill_checks import kv_req_problem, prompt_problem
 from .prefill_events import (Drop, Fail, FromDecode, MarkFailed, PrefillAccept, PrefillDone, PrefillEffect,
@@ -34,13 +36,13 @@ H, R = HandoffState, RoomState
 
 
 class PrefillHandoffs(HandoffMachine[PrefillEffect]):
-    """Every room of one prefill DP rank. `local` holds page_size, kv_dtype, fingerprint and
-    backend (what a KvReq must agree with); `instance_id` is this server's bootstrap instance
+    """Every room of one prefill DP rank. `local` is what this rank is (a KvReq must agree
+    with its backend, page size, KV dtype and fingerprint); `instance_id` is this server's bootstrap instance
     ("" = not checked)."""
 
     SIDE = "prefill"
 
-    def __init__(self, dp_rank: int, local: dict, *, bootstrap_timeout: float, failed_ttl: float = 600.0,
+    def __init__(self, dp_rank: int, local: LocalFacts, *, bootstrap_timeout: float, failed_ttl: float = 600.0,
                  instance_id: str = ""):
         self.dp_rank = dp_rank
         self.local = local
@@ -52,7 +54,7 @@ class PrefillHandoffs(HandoffMachine[PrefillEffect]):
 
     # ---- a room's failure and its write ---------------------------------------------------------
     def _fail(self, r: PrefillRoom, reason: str, cause: FailureCause, now: float, out: list,
-              peer: dict | None = None) -> None:
+              peer: Endpoint | None = None) -> None:
         """Fail a live room (a failed one keeps its first reason, a succeeded one raises); `peer`
         is the decode's endpoint if it just spoke. A write that is out keeps the pages, and the
         decode waits for it."""
@@ -77,7 +79,7 @@ class PrefillHandoffs(HandoffMachine[PrefillEffect]):
     def _attach(self, r: PrefillRoom, req: wire.KvReq, ev: Event, out: list) -> None:
         """The decode's KvReq meets its room: checked against the prompt, then the write starts
         if the prefill is done, else the room waits for it."""
-        reason = prompt_problem(r, req, self.local["page_size"])
+        reason = prompt_problem(r, req, self.local.page_size)
         if reason is not None:
             return self._fail(r, reason, FailureCause.INCOMPATIBLE, ev.now, out, peer=req.endpoint)
         r.peer, r.req = req.endpoint, req
@@ -108,7 +110,7 @@ class PrefillHandoffs(HandoffMachine[PrefillEffect]):
         if room in self.notes.early:
             self._refuse(self.notes.early.pop(room).peer, room, reason, cause, now, out)
 
-    def _refuse(self, peer: dict, room: int, reason: str, cause: FailureCause, now: float, out: list) -> None:
+    def _refuse(self, peer: Endpoint, room: int, reason: str, cause: FailureCause, now: float, out: list) -> None:
         """Doom a room that has no request here and answer its decode with KvFail."""
         self.notes.doomed[room] = Doomed(reason, now, cause)
         out.append(Send(peer, kv_fail(room, self.dp_rank, reason, cause)))

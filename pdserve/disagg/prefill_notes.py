@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ..transfer.base import Endpoint
 from ..core.failures import FailureCause
 from . import wire
 
@@ -18,7 +19,7 @@ from . import wire
 class Early(NamedTuple):
     """A KvReq that came before its request."""
 
-    peer: dict
+    peer: Endpoint
     req: wire.KvReq
     since: float
 
@@ -42,7 +43,7 @@ class Route(NamedTuple):
     """Where the front sent a room whose home is this rank."""
 
     rank: int
-    endpoint: dict
+    endpoint: Endpoint
     since: float
 
 

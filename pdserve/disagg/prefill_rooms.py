@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from ..transfer.base import Endpoint
 from ..core.failures import FailureCause
 from . import wire
 from .handoff import Handoff, HandoffState, IllegalTransition, Side
@@ -126,7 +127,7 @@ class PrefillRoom:
     state: RoomState = RoomState.BOOTSTRAPPING
     entered: dict[RoomState, float] = field(default_factory=dict)  # state -> monotonic time
     req: wire.KvReq | None = None  # the decode's, once attached
-    peer: dict | None = None  # where the decode hears from us (None exactly until it spoke)
+    peer: Endpoint | None = None  # where the decode hears from us (None exactly until it spoke)
     pages: list[int] | None = None  # set when the prefill finished
     aux: dict | None = None
     write: WriteFacts | None = None  # what its page write did, when it came back ok

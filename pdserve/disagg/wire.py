@@ -19,6 +19,8 @@ from typing import Union
 
 import msgspec
 
+from ..transfer.base import Endpoint
+
 KV_REQ = "kv_req"
 KV_ABORT = "kv_abort"
 KV_DONE = "kv_done"
@@ -100,11 +102,3 @@ def from_wire(d: object) -> Message:
         room = d.get("room") if isinstance(d, dict) else None
         raise BadMessage(f"malformed {kind!r} control message for room {room}: {e}") from None
 
-
-def compat_problem(local: dict, req: KvReq) -> str | None:
-    """Why a decode's KvReq cannot be served by this prefill worker, or None. `local` holds
-    page_size, kv_dtype, fingerprint and backend."""
-    for key in ("backend", "page_size", "kv_dtype", "fingerprint"):
-        if local.get(key) != getattr(req, key):
-            return f"{key} mismatch: prefill has {local.get(key)!r}, decode has {getattr(req, key)!r}"
-    return None

@@ -29,7 +29,8 @@ from .generation import Generator, Limits
 from .limits import RETRY_AFTER_S, Admission, AdmissionLimits, Slot
 from .metrics import FrontMetrics
 from .protocol import RequestItem
-from .roles import Dispatch, FrontRole, RoleContext, make_role
+from .role_table import make_role
+from .roles import Dispatch, FrontRole, RoleContext
 from .tokenizer import ServerTokenizer
 from .worker_cmd import DEFAULT_WORKER_MODULE
 from .worker_pool import WorkerPool

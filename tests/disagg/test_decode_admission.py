@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.core.kv_layout import KVLayout
 from pdserve.disagg.bootstrap_table import RankInfo
 from pdserve.disagg.decode_admission import HandoffQueue
 from pdserve.disagg.decode_events import (CancelResolve, DecodeAccept, DecodeReport, GiveUp, PagesReserved,
                                           RankResolved, Reservation, Reserve, Resolve, SendAbort, SendKvReq)
 from pdserve.disagg.decode_machine import DecodeHandoffs
 from pdserve.disagg.decode_rooms import DecodeState
+from pdserve.disagg.local_facts import LocalFacts
 from pdserve.disagg.machine_events import Tick
 from pdserve.disagg.resolution import Resolved
 
@@ -19,8 +21,9 @@ D = DecodeState
 ADDR = "10.0.0.1:8998"
 PROMPT = 10
 EP = {"backend": "fake", "ip": "10.0.0.1", "port": 9000}
-LOCAL = {"backend": "fake", "endpoint": {"backend": "fake", "ip": "10.0.0.2", "port": 7000},
-         "layout": {"regions": 4}, "page_size": 4, "kv_dtype": "float32", "fingerprint": {}}
+LOCAL = LocalFacts.of("fake", KVLayout(base_ptr=0, num_regions=4, num_pages=16, page_bytes=64, region_stride=1024,
+                                       page_size=4, dtype="float32"),
+                      {}, {"backend": "fake", "ip": "10.0.0.2", "port": 7000})
 A, B, C, E = 1, 2, 3, 4
 
 

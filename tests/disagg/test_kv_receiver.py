@@ -55,7 +55,7 @@ def test_kv_req_carries_dst_pages_and_compat_facts(link):
     req = link.decode_sends_req()
     assert req["dst_pages"] == [9, 3, 4] and req["prompt_len"] == PROMPT and req["decode_rank"] == 1
     for key in ("page_size", "kv_dtype", "fingerprint", "backend", "layout", "endpoint"):
-        assert req[key] == link.d_local[key]
+        assert req[key] == link.d_local.kv_req_fields()[key]
     link.wait_decode_state(ROOM, S.WAITING_FOR_INPUT)
 
 

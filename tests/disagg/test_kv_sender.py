@@ -119,7 +119,7 @@ def test_compat_mismatch_fails_both_sides_naming_both_values(request, key, value
     lk.sender.accept(ROOM, "p-1", PROMPT)
     lk.deliver_req()
     [pdone] = lk.sender.poll()
-    mine = lk.p_local[key]
+    mine = getattr(lk.p_local, key)
     assert not pdone.ok and f"{key} mismatch" in pdone.reason and f"room {ROOM}" in pdone.reason
     assert repr(mine) in pdone.reason and repr(value) in pdone.reason
     [msg] = lk.to_decode()

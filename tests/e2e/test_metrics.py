@@ -34,6 +34,7 @@ from pdserve.disagg.bootstrap_table import RankInfo  # noqa: E402
 from pdserve.disagg.kv_receiver import DecodeReceiver, ReceiverLimits  # noqa: E402
 from pdserve.disagg.decode_events import RankResolved  # noqa: E402
 from pdserve.disagg.kv_sender import PrefillSender  # noqa: E402
+from pdserve.disagg.local_facts import LocalFacts  # noqa: E402
 from pdserve.disagg.resolution import Resolved  # noqa: E402
 from pdserve.router.metrics import RouterMetrics  # noqa: E402
 from pdserve.server.metrics import FrontMetrics  # noqa: E402
@@ -41,7 +42,6 @@ from pdserve.server.protocol import RequestItem  # noqa: E402
 from pdserve.server.request_state import ItemProgress  # noqa: E402
 from pdserve.server.tokenizer import ServerTokenizer  # noqa: E402
 from pdserve.transfer import tcp_wire  # noqa: E402
-from pdserve.transfer.base import layout_to_dict  # noqa: E402
 from pdserve.transfer.tcp import TcpBackend  # noqa: E402
 
 PAGE_SIZE = 4  # tests/cluster.py starts servers with --page-size 4
@@ -187,13 +187,11 @@ def test_transfer_speed_is_bytes_over_the_backends_own_write_calls(monkeypatch):
     pb, db = TcpBackend(), TcpBackend()
     fp = {"architecture": "x", "num_layers": 1}
     try:
-        locs = [{"backend": "tcp", "page_size": PAGE_SIZE, "kv_dtype": "float32", "fingerprint": fp,
-                 "layout": layout_to_dict(lay), "endpoint": be.start(lay)}
-                for be, lay in ((pb, p_layout), (db, d_layout))]
+        locs = [LocalFacts.of("tcp", lay, fp, be.start(lay)) for be, lay in ((pb, p_layout), (db, d_layout))]
         sender = PrefillSender(pb, 0, locs[0], bootstrap_timeout=30)
         receiver = DecodeReceiver(db, 1, locs[1], link=FakePrefillLink(), reserve=lambda rid, n: list(range(pages)),
                                   limits=ReceiverLimits(waiting_timeout=30))
-        ep = locs[0]["endpoint"]
+        ep = locs[0].endpoint
         info = RankInfo(dp_rank=0, dp_size=1, rank_ip=ep["ip"], rank_port=ep["port"], page_size=PAGE_SIZE,
                         kv_cache_dtype="float32", load_balance_method="auto", fingerprint=fp, endpoint=ep,
                         transfer_backend="tcp")

@@ -18,7 +18,9 @@ from pdserve.server.metrics import FrontMetrics
 from pdserve.core.messages import PDParams
 from pdserve.server.protocol import RequestItem
 from pdserve.server import roles
-from pdserve.server.roles import ColocatedRole, Dispatch, make_role
+from pdserve.server import role_table
+from pdserve.server.role_table import make_role
+from pdserve.server.roles import ColocatedRole, Dispatch
 
 
 def test_round_robin_cycles():
@@ -97,7 +99,7 @@ def test_pd_roles_resolve_auto_per_design():
 
 
 def test_role_without_a_front_fails_clearly(monkeypatch):
-    monkeypatch.setattr(roles, "role_classes", lambda: {Role.COLOCATED: ColocatedRole})
+    monkeypatch.setattr(role_table, "FRONT_ROLES", {Role.COLOCATED: ColocatedRole})
     with pytest.raises(ValueError, match="no front implementation"):
         make_role(ServerConfig(role=Role.DECODE))
 
