@@ -174,7 +174,7 @@ class Link:
         return self.prefills.cancels
 
     def resolved(self, room: int = ROOM, rank: int = 0, error: str | None = None) -> Resolved:
-        ep = self.p_local["endpoint"]
+        ep = self.p_local.endpoint
         info = RankInfo(dp_rank=rank, dp_size=1, rank_ip=ep["ip"], rank_port=ep["port"],
                         page_size=PAGE_SIZE, kv_cache_dtype="float32", load_balance_method="auto",
                         fingerprint=FP, endpoint=ep, transfer_backend="fake")

@@ -407,7 +407,7 @@ def test_full_handoff_through_a_prefill_link(request, bootstrap):
     request.addfinalizer(plink.close)
     lk = make_link(prefills=plink)
     request.addfinalizer(lk.close)
-    ep = lk.p_local["endpoint"]
+    ep = lk.p_local.endpoint
     table.register_rank(RankInfo(dp_rank=0, dp_size=1, rank_ip="127.0.0.1", rank_port=ep["port"],
                                  page_size=PAGE_SIZE, kv_cache_dtype="float32",
                                  load_balance_method="auto", fingerprint=FP, endpoint=ep,
