@@ -161,8 +161,8 @@ class Link:
     receiver: DecodeReceiver
     prefills: PeerLink  # the receiver's link: a FakePrefillLink unless make_link was given one
     pool: PagePool
-    p_local: dict
-    d_local: dict
+    p_local: LocalFacts
+    d_local: LocalFacts
     wakes: list = field(default_factory=list)
 
     @property
