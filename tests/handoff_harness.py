@@ -161,8 +161,8 @@ class Link:
     receiver: DecodeReceiver
     prefills: PeerLink  # the receiver's link: a FakePrefillLink unless make_link was given one
     pool: PagePool
-    p_local: LocalFacts
-    d_local: LocalFacts
+    p_local: dict  # the prefill's facts in their wire spelling (LocalFacts.kv_req_fields)
+    d_local: dict  # the decode's, as its KvReq carries them
     wakes: list = field(default_factory=list)
 
     @property
@@ -174,7 +174,7 @@ class Link:
         return self.prefills.cancels
 
     def resolved(self, room: int = ROOM, rank: int = 0, error: str | None = None) -> Resolved:
-        ep = self.p_local.endpoint
+        ep = self.p_local["endpoint"]
         info = RankInfo(dp_rank=rank, dp_size=1, rank_ip=ep["ip"], rank_port=ep["port"],
                         page_size=PAGE_SIZE, kv_cache_dtype="float32", load_balance_method="auto",
                         fingerprint=FP, endpoint=ep, transfer_backend="fake")
@@ -235,16 +235,17 @@ def make_link(*, decode_local: dict | None = None, free: list[int] | None = None
     d_mem, d_layout = make_memory(seed=None)
     pbe, dbe = GatedBackend(fabric), FakeBackend(fabric)
     p_ep, d_ep = pbe.start(p_layout), dbe.start(d_layout)
-    p_local = LocalFacts.of("fake", p_layout, FP, p_ep)
-    d_local = dataclasses.replace(LocalFacts.of("fake", d_layout, FP, d_ep), **(decode_local or {}))
+    p_facts = LocalFacts.of("fake", p_layout, FP, p_ep)
+    d_facts = dataclasses.replace(LocalFacts.of("fake", d_layout, FP, d_ep), **(decode_local or {}))
     pool = PagePool([9, 3, 4, 12, 13, 14, 0, 6, 7, 8] if free is None else free)
     wakes: list = []
-    sender = PrefillSender(pbe, 0, p_local, bootstrap_timeout=bootstrap_timeout,
+    sender = PrefillSender(pbe, 0, p_facts, bootstrap_timeout=bootstrap_timeout,
                            wake=lambda: wakes.append("prefill"))
     prefills = prefills or FakePrefillLink()
-    receiver = DecodeReceiver(dbe, 1, d_local, link=prefills, reserve=pool, wake=lambda: wakes.append("decode"),
+    receiver = DecodeReceiver(dbe, 1, d_facts, link=prefills, reserve=pool, wake=lambda: wakes.append("decode"),
                               limits=ReceiverLimits(waiting_timeout=waiting_timeout, abort_grace=abort_grace))
-    return Link(fabric, pbe, dbe, p_mem, d_mem, sender, receiver, prefills, pool, p_local, d_local, wakes)
+    return Link(fabric, pbe, dbe, p_mem, d_mem, sender, receiver, prefills, pool,
+                p_facts.kv_req_fields(), d_facts.kv_req_fields(), wakes)
 
 
 

@@ -11,10 +11,11 @@ until the receiver releases them.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from ..core.errors import PDServeError
 from ..core.logprobs import PromptLogprobs
 from ..core.messages import GenerateReq, TokenOutput
-from ..core.pd_settings import PDSettings
 from ..disagg.bootstrap_client import bootstrap_addr
 from ..disagg.decode_admission import HandoffQueue
 from ..disagg.decode_events import Reservation
@@ -29,7 +30,17 @@ from .role import WorkerRole, engine_request, error_output, to_token_output
 TRANSFER_IO_TIMEOUT_S = 60.0  # the io_timeout of the built-in backends (tcp, nixl, mooncake's control path)
 
 
-def quarantine_timeout(pd: PDSettings, backend) -> float:
+class Deadlines(Protocol):
+    """What `quarantine_timeout` reads: a PDSettings (or the Envs it was built from)."""
+
+    @property
+    def kv_quarantine_timeout(self) -> float: ...
+
+    @property
+    def bootstrap_timeout(self) -> float: ...
+
+
+def quarantine_timeout(pd: Deadlines, backend: object) -> float:
     """How long the pages of a room whose prefill went unheard stay held: PDSERVE_KV_QUARANTINE_TIMEOUT,
     else longer than that prefill may still write (its room starts a write within its bootstrap
     deadline or fails; a write stalled for the backend's io timeout fails)."""

@@ -55,7 +55,7 @@ def test_kv_req_carries_dst_pages_and_compat_facts(link):
     req = link.decode_sends_req()
     assert req["dst_pages"] == [9, 3, 4] and req["prompt_len"] == PROMPT and req["decode_rank"] == 1
     for key in ("page_size", "kv_dtype", "fingerprint", "backend", "layout", "endpoint"):
-        assert req[key] == link.d_local.kv_req_fields()[key]
+        assert req[key] == link.d_local[key]
     link.wait_decode_state(ROOM, S.WAITING_FOR_INPUT)
 
 
@@ -407,7 +407,7 @@ def test_full_handoff_through_a_prefill_link(request, bootstrap):
     request.addfinalizer(plink.close)
     lk = make_link(prefills=plink)
     request.addfinalizer(lk.close)
-    ep = lk.p_local.endpoint
+    ep = lk.p_local["endpoint"]
     table.register_rank(RankInfo(dp_rank=0, dp_size=1, rank_ip="127.0.0.1", rank_port=ep["port"],
                                  page_size=PAGE_SIZE, kv_cache_dtype="float32",
                                  load_balance_method="auto", fingerprint=FP, endpoint=ep,

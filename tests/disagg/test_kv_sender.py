@@ -119,7 +119,7 @@ def test_compat_mismatch_fails_both_sides_naming_both_values(request, key, value
     lk.sender.accept(ROOM, "p-1", PROMPT)
     lk.deliver_req()
     [pdone] = lk.sender.poll()
-    mine = getattr(lk.p_local, key)
+    mine = lk.p_local[key]
     assert not pdone.ok and f"{key} mismatch" in pdone.reason and f"room {ROOM}" in pdone.reason
     assert repr(mine) in pdone.reason and repr(value) in pdone.reason
     [msg] = lk.to_decode()
@@ -293,7 +293,7 @@ def test_decode_abort_is_answered_and_fails_the_room(link, state):
         link.deliver_req()
     elif state is S.BOOTSTRAPPING:
         link.sender.accept(ROOM, "p-1", PROMPT)
-    link.sender.on_message(link.d_local.endpoint, _abort_msg())
+    link.sender.on_message(link.d_local["endpoint"], _abort_msg())
     [msg] = link.to_decode()  # always answered, so the decode may free its pages
     assert msg["t"] == wire.KV_FAIL and "decode dp_rank 1 aborted" in msg["reason"]
     assert ROOM not in link.sender.early
@@ -308,7 +308,7 @@ def test_decode_abort_is_answered_and_fails_the_room(link, state):
 def test_decode_abort_overtaking_its_kv_req_is_never_served(link):
     link.sender.accept(ROOM, "p-1", PROMPT)
     link.sender.prefill_done(ROOM, SRC, dict(AUX))
-    link.sender.on_message(link.d_local.endpoint, _abort_msg())
+    link.sender.on_message(link.d_local["endpoint"], _abort_msg())
     assert not link.sender.poll()[0].ok
     link.deliver_req()  # arrives late: refused, nothing written
     assert [m["t"] for m in link.to_decode(2)] == [wire.KV_FAIL, wire.KV_FAIL]
@@ -322,7 +322,7 @@ def test_decode_abort_during_write_answered_after_the_write(link):
     link.prefill_be.gate.clear()
     link.sender.prefill_done(ROOM, SRC, dict(AUX))
     assert link.prefill_be.writing.wait(WAIT_S)
-    link.sender.on_message(link.d_local.endpoint, _abort_msg())
+    link.sender.on_message(link.d_local["endpoint"], _abort_msg())
     assert link.sender.poll() == []
     link.prefill_be.gate.set()
     [pdone] = link.prefill_done()
@@ -332,9 +332,9 @@ def test_decode_abort_during_write_answered_after_the_write(link):
 
 def test_messages_without_room_or_endpoint_are_ignored(link):
     link.sender.accept(ROOM, "p-1", PROMPT)
-    link.sender.on_message(link.d_local.endpoint, {"t": wire.KV_REQ, "room": "x"})
-    link.sender.on_message(link.d_local.endpoint, {"t": wire.KV_REQ, "room": ROOM})
-    link.sender.on_message(link.d_local.endpoint, {"t": "bogus", "room": ROOM})
+    link.sender.on_message(link.d_local["endpoint"], {"t": wire.KV_REQ, "room": "x"})
+    link.sender.on_message(link.d_local["endpoint"], {"t": wire.KV_REQ, "room": ROOM})
+    link.sender.on_message(link.d_local["endpoint"], {"t": "bogus", "room": ROOM})
     assert link.sender.rooms[ROOM].handoff.state is S.BOOTSTRAPPING
     assert link.sender.poll() == [] and not link.sender.early
 
@@ -342,9 +342,9 @@ def test_messages_without_room_or_endpoint_are_ignored(link):
 def test_duplicate_kv_req_is_ignored(link):
     link.sender.accept(ROOM, "p-1", PROMPT)
     req = link.decode_sends_req()
-    link.sender.on_message(link.d_local.endpoint, req)
+    link.sender.on_message(link.d_local["endpoint"], req)
     assert link.sender.rooms[ROOM].handoff.state is S.WAITING_FOR_INPUT
-    link.sender.on_message(link.d_local.endpoint, {**req, "dst_pages": [0]})
+    link.sender.on_message(link.d_local["endpoint"], {**req, "dst_pages": [0]})
     assert link.sender.rooms[ROOM].req.dst_pages == req["dst_pages"]
     link.sender.prefill_done(ROOM, SRC, dict(AUX))
     assert link.prefill_done()[0].ok

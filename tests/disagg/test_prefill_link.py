@@ -58,7 +58,7 @@ def wired(request, boot) -> tuple[Link, PrefillLink]:
     plink = new_link(request)
     lk = make_link(prefills=plink)
     request.addfinalizer(lk.close)
-    boot.table.register_rank(rank_info(lk.p_local.endpoint))
+    boot.table.register_rank(rank_info(lk.p_local["endpoint"]))
     return lk, plink
 
 
@@ -151,7 +151,7 @@ def test_a_prefill_the_heartbeats_gave_up_fails_a_new_room_at_once_naming_it_gon
     assert "prefill server is gone" in late.reason
     # it answers again (restarted on the same port): used again
     table = BootstrapTable(dp_size=1)
-    table.register_rank(rank_info(lk.p_local.endpoint))
+    table.register_rank(rank_info(lk.p_local["endpoint"]))
     again = ThreadedBootstrap(table, port=boot.port)
     request.addfinalizer(again.stop)
     lk.receiver.accept(3, "d-3", again.addr, PROMPT, None)

@@ -22,7 +22,6 @@ import pytest
 from pdserve.core.config import Role, ServerConfig
 from pdserve.core.envs import Envs
 from pdserve.core.messages import GenerateReq, PDParams, TokenOutput
-from pdserve.core.pd_settings import PDSettings
 from pdserve.core.sampling import SamplingParams
 from pdserve.disagg import kv_receiver
 from pdserve.disagg.bootstrap_server import ThreadedBootstrap
@@ -669,6 +668,6 @@ def test_the_quarantine_outlasts_the_prefills_bound_on_a_write_unless_set():
     from types import SimpleNamespace
 
     from pdserve.worker.decode import TRANSFER_IO_TIMEOUT_S, quarantine_timeout
-    assert quarantine_timeout(PDSettings(bootstrap_timeout=8.0), SimpleNamespace(io_timeout=30.0)) == 38.0
-    assert quarantine_timeout(PDSettings(bootstrap_timeout=8.0), object()) == 8.0 + TRANSFER_IO_TIMEOUT_S
-    assert quarantine_timeout(PDSettings(bootstrap_timeout=8.0, kv_quarantine_timeout=3.0), object()) == 3.0
+    assert quarantine_timeout(Envs(bootstrap_timeout=8.0), SimpleNamespace(io_timeout=30.0)) == 38.0
+    assert quarantine_timeout(Envs(bootstrap_timeout=8.0), object()) == 8.0 + TRANSFER_IO_TIMEOUT_S
+    assert quarantine_timeout(Envs(bootstrap_timeout=8.0, kv_quarantine_timeout=3.0), object()) == 3.0
