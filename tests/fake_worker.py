@@ -27,8 +27,18 @@ from dataclasses import asdict, dataclass, field
 
 import zmq
 
-from pdserve.core.messages import (AbortReq, ErrorInfo, GenerateReq, OutputBatch, ShutdownReq, StatsReq,
-                                   TokenOutput, WorkerFailed, WorkerReady, WorkerStats)
+from pdserve.core.messages import (
+    AbortReq,
+    ErrorInfo,
+    GenerateReq,
+    OutputBatch,
+    ShutdownReq,
+    StatsReq,
+    TokenOutput,
+    WorkerFailed,
+    WorkerReady,
+    WorkerStats,
+)
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

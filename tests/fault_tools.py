@@ -20,8 +20,9 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cluster import ROOT, Server, free_port  # noqa: E402
-from pdserve.disagg.handoff import HandoffState  # noqa: E402
 from tiny_model import make_tiny_model  # noqa: E402
+
+from pdserve.disagg.handoff import HandoffState  # noqa: E402
 
 
 def shared_tiny_model(tmp_path_factory) -> str:

@@ -9,7 +9,6 @@ import json
 import os
 
 import torch
-
 from fake_worker import write_fake_model
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

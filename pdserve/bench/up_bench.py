@@ -363,7 +363,8 @@ def format_results(results: list[SystemResult], cmp: dict | None) -> str:
                      f"{_f(r.reused_pct, '.1f') + '%':>8}{r.summary.failed:>7}")
     lines.append("(TTFT and ITL in ms; reused: prompt tokens the replies report as cached)")
     if cmp is not None:
-        lines.append(f"{'up/colocated':<15}{_f(cmp['mean_ttft'], '.2f') + 'x':>10}{_f(cmp['median_ttft'], '.2f') + 'x':>10}"
+        lines.append(f"{'up/colocated':<15}{_f(cmp['mean_ttft'], '.2f') + 'x':>10}"
+                     f"{_f(cmp['median_ttft'], '.2f') + 'x':>10}"
                      f"{'':>17}{_f(cmp['itl_p50'], '.2f') + 'x':>9}{_f(cmp['itl_p99'], '.2f') + 'x':>9}"
                      f"{_f(cmp['output_throughput'], '.2f') + 'x':>10}{_f(cmp['reused_points'], '+.1f') + 'pt':>8}")
         met = cmp["targets_met"]

@@ -90,7 +90,8 @@ class Envs:
         "mooncake transfer backend protocol: tcp or rdma")
     mooncake_device: str = env("", (),
         "mooncake RDMA device name(s), e.g. mlx5_0 (empty: Mooncake picks)")
-    allow_long_context: bool = env(False, ("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN"),
+    allow_long_context: bool = env(False,
+        ("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN"),
         "allow --context-length above the model's max_position_embeddings")
     advertise_host: str = env("", ("SGLANG_HOST_IP",),
         "address peers are told (--advertise-host wins over it)")

@@ -25,9 +25,10 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from ..core.errors import BadRequest, PDServeError, Unauthorized
-from ..core.strict_json import loads_object
 from ..core.pd_vocab import MAX_QUERY_ROOMS, check_room
+from ..core.strict_json import loads_object
 from .bootstrap_table import BootstrapTable, RankInfo
+
 MAX_REASON_CHARS = 2000
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -14,11 +14,11 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, TypeVar
 
-from ..transfer.base import Endpoint
 from ..core.config import Role
 from ..core.envs import Envs
 from ..core.errors import BadRequest, Unavailable
 from ..core.pd_vocab import FOLLOW, check_rank, check_room
+from ..transfer.base import Endpoint
 from .dp_rules import effective_method
 
 T = TypeVar("T")

@@ -26,9 +26,27 @@ from ..core.failures import FailureCause
 from ..core.timeline import Stage, transfer_stages
 from . import wire
 from .decode_admission import Admission, HandoffQueue
-from .decode_events import (Abort, CancelResolve, DecodeAccept, DecodeEffect, DecodeReport, FromPrefill, GiveUp,
-                            Invalidate, KvReqSent, Log, Malformed, PagesReserved, PeerAlive, PeerGone,
-                            RankResolved, Release, Resolve, SendAbort, SendKvReq)
+from .decode_events import (
+    Abort,
+    CancelResolve,
+    DecodeAccept,
+    DecodeEffect,
+    DecodeReport,
+    FromPrefill,
+    GiveUp,
+    Invalidate,
+    KvReqSent,
+    Log,
+    Malformed,
+    PagesReserved,
+    PeerAlive,
+    PeerGone,
+    RankResolved,
+    Release,
+    Resolve,
+    SendAbort,
+    SendKvReq,
+)
 from .decode_messages import kv_abort, kv_req, room_report
 from .decode_rooms import DecodeRoom, DecodeState
 from .handoff import HandoffDone

@@ -6,13 +6,13 @@ else raises IllegalTransition) and `room.handoff` is its reporting view (Handoff
 each was first entered). The rest of a room is data the events brought: the Resolved, the
 Reservation, the KvDone's facts, the failure reason and cause, state times and stages.
 
-  state \\ event resolved     pages      sent ok sent err  KvDone       KvFail bad done unheard     ended  Abort/deadline
-  RESOLVING      RESERVING[1] -          -       -         (ignored)    FAILED FAILED   FAILED      FAILED FAILED+GiveUp
-  RESERVING      .            SENDING[4] -       -         (ignored)    FAILED FAILED   FAILED      FAILED FAILED+KvAbort[3]
-  SENDING        .            -          WAITING FAILED[2] WAITING,DONE FAILED FAILED   QUARANTINED FAILED ABORTING+KvAbort
-  WAITING        .            -          .       FAILED[2] DONE         FAILED FAILED   QUARANTINED FAILED ABORTING+KvAbort
-  ABORTING       .            -          .       FAILED    FAILED       FAILED .        QUARANTINED FAILED .[6]
-  QUARANTINED    .            -          .       FAILED    FAILED       FAILED .        .[5]        FAILED .[6]
+state\\event resolved     pages      sent ok sent err  KvDone       KvFail bad done unheard     ended  Abort/deadline
+RESOLVING    RESERVING[1] -          -       -         (ignored)    FAILED FAILED   FAILED      FAILED FAILED+GiveUp
+RESERVING    .            SENDING[4] -       -         (ignored)    FAILED FAILED   FAILED      FAILED FAILED+KvAbort[3]
+SENDING      .            -          WAITING FAILED[2] WAITING,DONE FAILED FAILED   QUARANTINED FAILED ABORTING+KvAbort
+WAITING      .            -          .       FAILED[2] DONE         FAILED FAILED   QUARANTINED FAILED ABORTING+KvAbort
+ABORTING     .            -          .       FAILED    FAILED       FAILED .        QUARANTINED FAILED .[6]
+QUARANTINED  .            -          .       FAILED    FAILED       FAILED .        .[5]        FAILED .[6]
   DONE, FAILED: the next Tick reports and forgets them (DecodeReport); a FAILED room that was
   reported while QUARANTINED is forgotten with a Release instead.
 "." is no move, "-" cannot happen (ignored). "unheard": a PeerGone of the room's address (its
@@ -56,8 +56,8 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 
-from ..transfer.base import Endpoint
 from ..core.failures import FailureCause
+from ..transfer.base import Endpoint
 from .decode_events import Reservation
 from .handoff import Handoff, HandoffState, IllegalTransition, Side
 from .resolution import Resolved

@@ -37,18 +37,31 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..transfer.base import Endpoint
 from ..core.errors import PDServeError
-from ..transfer.base import TransferBackend, TransferError
+from ..transfer.base import Endpoint, TransferBackend, TransferError
 from . import wire
 from .decode_admission import HandoffQueue
-from .decode_events import (Abort, DecodeAccept, DecodeEffect, DecodeReport, FromPrefill, KvReqSent, Log,
-                            Malformed, PagesReserved, Release, Reservation, Reserve, SendAbort, SendKvReq)
+from .decode_events import (
+    Abort,
+    DecodeAccept,
+    DecodeEffect,
+    DecodeReport,
+    FromPrefill,
+    KvReqSent,
+    Log,
+    Malformed,
+    PagesReserved,
+    Release,
+    Reservation,
+    Reserve,
+    SendAbort,
+    SendKvReq,
+)
 from .decode_machine import DecodeHandoffs
 from .decode_rooms import DecodeRoom, DecodeState
 from .handoff import HandoffDone
-from .local_facts import LocalFacts
 from .link_api import LINK_EFFECTS, Inbox, PeerLink
+from .local_facts import LocalFacts
 from .machine_events import Event, Tick
 from .resolution import Resolved
 

@@ -24,16 +24,28 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
-from ..transfer.base import Endpoint
 from ..core.failures import FailureCause
 from ..core.log_format import fields
-from ..transfer.base import TransferBackend, TransferError, peer_name
+from ..transfer.base import Endpoint, TransferBackend, TransferError, peer_name
 from . import wire
 from .handoff import HandoffDone
 from .local_facts import LocalFacts
 from .machine_events import Event, Tick
-from .prefill_events import (Drop, Fail, FromDecode, MarkFailed, PrefillAccept, PrefillDone, PrefillEffect,
-                             PrefillReport, RoomRouted, Send, StartWrite, WriteFacts, WriteReturned)
+from .prefill_events import (
+    Drop,
+    Fail,
+    FromDecode,
+    MarkFailed,
+    PrefillAccept,
+    PrefillDone,
+    PrefillEffect,
+    PrefillReport,
+    RoomRouted,
+    Send,
+    StartWrite,
+    WriteFacts,
+    WriteReturned,
+)
 from .prefill_machine import PrefillHandoffs
 from .prefill_notes import Doomed, Dropped, Early, Forwarded, Route
 from .prefill_rooms import PrefillRoom

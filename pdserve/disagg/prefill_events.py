@@ -19,8 +19,8 @@ from typing import Union
 
 import msgspec
 
-from ..transfer.base import Endpoint
 from ..core.failures import FailureCause
+from ..transfer.base import Endpoint
 from . import wire
 from .handoff import HandoffDone
 from .machine_events import Event

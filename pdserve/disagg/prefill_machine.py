@@ -17,19 +17,30 @@ from __future__ import annotations
 
 import msgspec
 
-from ..transfer.base import Endpoint
 from ..core.failures import FailureCause, rejection_cause
 from ..core.timeline import Stage
-from ..transfer.base import peer_name
+from ..transfer.base import Endpoint, peer_name
 from . import wire
 from .handoff import HandoffDone, HandoffState, IllegalTransition
 from .local_facts import LocalFacts
 from .machine_events import Event, HandoffMachine, Tick
 from .prefill_checks import kv_req_problem, prompt_problem
-from .prefill_events import (Drop, Fail, FromDecode, MarkFailed, PrefillAccept, PrefillDone, PrefillEffect,
-                             PrefillReport, RoomRouted, Send, StartWrite, WriteReturned)
+from .prefill_events import (
+    Drop,
+    Fail,
+    FromDecode,
+    MarkFailed,
+    PrefillAccept,
+    PrefillDone,
+    PrefillEffect,
+    PrefillReport,
+    RoomRouted,
+    Send,
+    StartWrite,
+    WriteReturned,
+)
 from .prefill_messages import kv_done, kv_fail, room_report
-from .prefill_notes import Doomed, Dropped, Early, Forwarded, Route, RoomNotes
+from .prefill_notes import Doomed, Dropped, Early, Forwarded, RoomNotes, Route
 from .prefill_rooms import PrefillRoom, RoomState
 
 H, R = HandoffState, RoomState

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..transfer.base import Endpoint
 from ..core.failures import FailureCause
+from ..transfer.base import Endpoint
 from . import wire
 
 

@@ -31,8 +31,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from ..transfer.base import Endpoint
 from ..core.failures import FailureCause
+from ..transfer.base import Endpoint
 from . import wire
 from .handoff import Handoff, HandoffState, IllegalTransition, Side
 from .prefill_events import WriteFacts

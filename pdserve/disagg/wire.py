@@ -19,8 +19,6 @@ from typing import Union
 
 import msgspec
 
-from ..transfer.base import Endpoint
-
 KV_REQ = "kv_req"
 KV_ABORT = "kv_abort"
 KV_DONE = "kv_done"

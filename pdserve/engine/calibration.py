@@ -30,8 +30,7 @@ import torch
 
 from ..core.host import HostInfo
 from .attention import AttnBatch, paged_attention
-from .cpu_plan import (KERNEL_ATTENTION, PREFILL_BUCKETS, AttentionPath, CpuPlan, ElementwisePath,
-                       AttentionPaths)
+from .cpu_plan import KERNEL_ATTENTION, PREFILL_BUCKETS, AttentionPath, AttentionPaths, CpuPlan, ElementwisePath
 from .kv_pool import KVPool
 from .linear import MatmulPath, available_paths, default_path, make_linear
 

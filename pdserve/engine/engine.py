@@ -33,7 +33,7 @@ from .logprobs import logprobs_of
 from .prefix_cache import CacheCounters, PrefixCache
 from .sampler import make_generator, sample
 from .scheduler import Batch, Scheduler
-from .sequence import EngineRequest, Sequence, SeqStatus, StepOutput
+from .sequence import EngineRequest, SeqStatus, Sequence, StepOutput
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,12 @@ from typing import Callable
 
 from .. import __version__
 from ..core.config import ServerConfig
-from ..core.errors import PDServeError, Unavailable
 from ..core.envs import Envs
-from ..core.log_format import new_instance_id
-from ..core.netaddr import resolve_advertise_host
+from ..core.errors import PDServeError, Unavailable
 from ..core.host import HostInfo
+from ..core.log_format import new_instance_id
 from ..core.messages import WorkerReady
+from ..core.netaddr import resolve_advertise_host
 from ..core.sampling import SamplingParams
 from .dispatcher import DPDispatcher
 from .generation import Generator, Limits

@@ -14,10 +14,18 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .base import Endpoint
 from ..core.kv_layout import KVLayout
-from .base import (Inbox, PageCopy, TransferBackend, TransferError, decode_msg, encode_msg, out_of_bounds,
-                   peer_name)
+from .base import (
+    Endpoint,
+    Inbox,
+    PageCopy,
+    TransferBackend,
+    TransferError,
+    decode_msg,
+    encode_msg,
+    out_of_bounds,
+    peer_name,
+)
 
 
 @dataclass

@@ -17,10 +17,9 @@ import threading
 import time
 from dataclasses import replace
 
-from .base import Endpoint
 from ..core.kv_layout import KVLayout
 from ..core.netaddr import host_port
-from .base import PageCopy, TransferBackend, TransferError, peer_name
+from .base import Endpoint, PageCopy, TransferBackend, TransferError, peer_name
 from .tcp import TcpBackend
 
 PROTOCOLS = ("tcp", "rdma")

@@ -29,9 +29,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .base import Endpoint
 from ..core.kv_layout import KVLayout
-from .base import PageCopy, TransferBackend, TransferError, peer_name
+from .base import Endpoint, PageCopy, TransferBackend, TransferError, peer_name
 from .nixl_agent import import_api, import_problem, new_agent  # noqa: F401 - import_problem is this backend's probe
 from .nixl_gate import NotifGate, notif_for
 from .tcp import TcpBackend

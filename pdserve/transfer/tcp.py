@@ -19,11 +19,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .base import Endpoint
 from ..core.kv_layout import KVLayout
 from ..core.netaddr import AddressError, family_of, host_port, resolve_advertise_host, strip_brackets
 from . import tcp_wire as wire
-from .base import Inbox, PageCopy, TransferBackend, TransferError, memory_view, out_of_bounds, peer_name
+from .base import Endpoint, Inbox, PageCopy, TransferBackend, TransferError, memory_view, out_of_bounds, peer_name
 
 log = logging.getLogger(__name__)
 Frame = wire.Frame

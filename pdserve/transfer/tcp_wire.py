@@ -13,8 +13,7 @@ import socket
 import struct
 from typing import Iterator
 
-from .base import Endpoint
-from .base import MAX_MSG_BYTES, PageCopy, decode_msg, encode_msg, peer_name
+from .base import MAX_MSG_BYTES, Endpoint, PageCopy, decode_msg, encode_msg, peer_name
 
 HDR = struct.Struct("!B3xIQ")
 RUN = struct.Struct("!IQQ")

@@ -8,8 +8,18 @@ import os
 import time
 from dataclasses import asdict
 
-from ..core.messages import (AbortReq, GenerateReq, OutputBatch, RoomDroppedNotice, RoomFailedNotice, RoomRoutedNotice, ShutdownReq,
-                             StatsReq, TokenOutput, WorkerStats)
+from ..core.messages import (
+    AbortReq,
+    GenerateReq,
+    OutputBatch,
+    RoomDroppedNotice,
+    RoomFailedNotice,
+    RoomRoutedNotice,
+    ShutdownReq,
+    StatsReq,
+    TokenOutput,
+    WorkerStats,
+)
 from ..engine.engine import Engine
 from ..engine.spin_governor import SpinGovernor
 from .channel import WorkerChannel

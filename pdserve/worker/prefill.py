@@ -7,7 +7,6 @@ reports the room finished, and the front gets the first token (or the failure) t
 
 from __future__ import annotations
 
-from ..transfer.base import Endpoint
 from ..core.errors import PDServeError
 from ..core.messages import GenerateReq, TokenOutput
 from ..core.netaddr import local_connect_host
@@ -15,6 +14,7 @@ from ..disagg.bootstrap_client import BootstrapClient, bootstrap_addr
 from ..disagg.bootstrap_table import RankInfo
 from ..disagg.kv_sender import PrefillSender
 from ..engine.sequence import StepOutput
+from ..transfer.base import Endpoint
 from .colocated import ColocatedRole
 from .pd_common import log_handoff, require_pd, start_backend
 from .pump import MessagePump

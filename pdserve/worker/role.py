@@ -10,14 +10,14 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..transfer.base import Endpoint
 from ..core.config import ServerConfig
 from ..core.envs import Envs
 from ..core.messages import ErrorInfo, GenerateReq, TokenOutput
 from ..core.pd_settings import PDSettings
-from ..engine.engine import Engine
 from ..core.sampling import SamplingParams
+from ..engine.engine import Engine
 from ..engine.sequence import EngineRequest, StepOutput
+from ..transfer.base import Endpoint
 
 
 @dataclass

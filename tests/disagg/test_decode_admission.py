@@ -9,8 +9,19 @@ import pytest
 from pdserve.core.kv_layout import KVLayout
 from pdserve.disagg.bootstrap_table import RankInfo
 from pdserve.disagg.decode_admission import HandoffQueue
-from pdserve.disagg.decode_events import (CancelResolve, DecodeAccept, DecodeReport, GiveUp, PagesReserved,
-                                          RankResolved, Reservation, Reserve, Resolve, SendAbort, SendKvReq)
+from pdserve.disagg.decode_events import (
+    CancelResolve,
+    DecodeAccept,
+    DecodeReport,
+    GiveUp,
+    PagesReserved,
+    RankResolved,
+    Reservation,
+    Reserve,
+    Resolve,
+    SendAbort,
+    SendKvReq,
+)
 from pdserve.disagg.decode_machine import DecodeHandoffs
 from pdserve.disagg.decode_rooms import DecodeState
 from pdserve.disagg.local_facts import LocalFacts

@@ -8,13 +8,31 @@ import logging
 import msgspec
 import pytest
 
+from pdserve.core.kv_layout import KVLayout
 from pdserve.disagg import wire
 from pdserve.disagg.bootstrap_table import RankInfo
-from pdserve.disagg.decode_events import (Abort, CancelResolve, DecodeAccept, DecodeReport, FromPrefill,
-                                          GiveUp, Invalidate, KvReqSent, Log, Malformed, PagesReserved, PeerAlive,
-                                          PeerGone, RankResolved, Release, Reservation, Reserve, Resolve, SendAbort,
-                                          SendKvReq)
-from pdserve.core.kv_layout import KVLayout
+from pdserve.disagg.decode_events import (
+    Abort,
+    CancelResolve,
+    DecodeAccept,
+    DecodeReport,
+    FromPrefill,
+    GiveUp,
+    Invalidate,
+    KvReqSent,
+    Log,
+    Malformed,
+    PagesReserved,
+    PeerAlive,
+    PeerGone,
+    RankResolved,
+    Release,
+    Reservation,
+    Reserve,
+    Resolve,
+    SendAbort,
+    SendKvReq,
+)
 from pdserve.disagg.decode_machine import DecodeHandoffs
 from pdserve.disagg.decode_rooms import DECODE_TRANSITIONS, DecodeState
 from pdserve.disagg.handoff import TRANSITIONS, HandoffDone, HandoffState, IllegalTransition, Side
@@ -57,7 +75,8 @@ def resolved(room: int = ROOM, rank: int = 0, instance: str = "inst-1", addr: st
 
 
 def kv_req(room: int = ROOM, got: Reservation = PAGES, rank: int = 0, instance: str = "inst-1") -> wire.KvReq:
-    return wire.KvReq(room=room, dst_pages=got.pages[got.reused_pages:], prompt_len=PROMPT, layout=layout_to_dict(LOCAL.layout),
+    return wire.KvReq(room=room, dst_pages=got.pages[got.reused_pages:], prompt_len=PROMPT,
+                      layout=layout_to_dict(LOCAL.layout),
                       endpoint=LOCAL.endpoint, page_size=4, kv_dtype="float32", fingerprint=FP, backend="fake",
                       decode_rank=1, prefill_rank=rank, prefill_instance=instance,
                       reused_pages=got.reused_pages, reused_key=got.reused_key)

@@ -11,6 +11,19 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from handoff_harness import (
+    AUX,
+    FP,
+    PAGE_SIZE,
+    PROMPT,
+    SRC,
+    FakePrefillLink,
+    PagePool,
+    make_memory,
+    pages_of,
+    poll_until,
+    pump,
+)
 
 from pdserve.core.failures import FailureCause
 from pdserve.disagg import wire
@@ -21,8 +34,6 @@ from pdserve.disagg.kv_sender import PrefillSender
 from pdserve.disagg.local_facts import LocalFacts
 from pdserve.disagg.resolution import Resolved
 from pdserve.transfer.fake import FakeBackend, FakeFabric
-from handoff_harness import (AUX, FP, PAGE_SIZE, PROMPT, SRC, FakePrefillLink, PagePool, make_memory, pages_of,
-                             poll_until, pump)
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]
 S = HandoffState

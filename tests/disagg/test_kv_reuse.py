@@ -7,9 +7,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from handoff_harness import (
+    ADDR,
+    AUX,
+    PAGE_BYTES,
+    PAGE_SIZE,
+    PROMPT,
+    REGIONS,
+    ROOM,
+    SRC,
+    Link,
+    assert_idle,
+    make_link,
+    pages_of,
+)
 
-from handoff_harness import (ADDR, AUX, PAGE_BYTES, PAGE_SIZE, PROMPT, REGIONS, ROOM, SRC, Link, assert_idle,
-                             make_link, pages_of)
 from pdserve.core.failures import FailureCause
 from pdserve.core.page_keys import prefix_key
 from pdserve.disagg import wire

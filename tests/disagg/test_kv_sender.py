@@ -8,11 +8,23 @@ The harness is tests/handoff_harness.py (fixtures in conftest.py). Deadlines are
 from __future__ import annotations
 
 import pytest
+from handoff_harness import (
+    ADDR,
+    AUX,
+    FP,
+    PAGE_BYTES,
+    PROMPT,
+    REGIONS,
+    ROOM,
+    SRC,
+    WAIT_S,
+    assert_idle,
+    assert_pages_landed,
+    make_link,
+)
 
 from pdserve.disagg import wire
 from pdserve.disagg.handoff import HandoffState
-from handoff_harness import (ADDR, AUX, FP, PAGE_BYTES, PROMPT, REGIONS, ROOM, SRC, WAIT_S, Link, assert_idle,
-                             assert_pages_landed, make_link)
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]
 S = HandoffState

@@ -10,6 +10,8 @@ import queue
 import time
 
 import pytest
+from cluster import free_port
+from handoff_harness import AUX, FP, PAGE_SIZE, PROMPT, SRC, WAIT_S, Link, make_link, poll_until
 
 from pdserve.disagg.bootstrap_client import BootstrapClient
 from pdserve.disagg.bootstrap_server import ThreadedBootstrap
@@ -18,8 +20,6 @@ from pdserve.disagg.decode_events import GiveUp, Invalidate, RankResolved, Resol
 from pdserve.disagg.handoff import HandoffState
 from pdserve.disagg.link_api import Inbox
 from pdserve.disagg.prefill_link import LinkSettings, PrefillLink
-from handoff_harness import AUX, FP, PAGE_SIZE, PROMPT, SRC, WAIT_S, Link, make_link, poll_until
-from cluster import free_port
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]
 S = HandoffState

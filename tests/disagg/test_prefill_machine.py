@@ -10,15 +10,27 @@ import msgspec
 import pytest
 
 from pdserve.core.failures import FailureCause
+from pdserve.core.kv_layout import KVLayout
 from pdserve.core.page_keys import prefix_key
 from pdserve.disagg import wire
 from pdserve.disagg.handoff import TRANSITIONS as HANDOFF_TRANSITIONS
 from pdserve.disagg.handoff import HandoffDone, HandoffState, IllegalTransition, Side
-from pdserve.disagg.machine_events import Tick
-from pdserve.disagg.prefill_events import (Drop, Fail, FromDecode, MarkFailed, PrefillAccept, PrefillDone,
-                                           PrefillReport, RoomRouted, Send, StartWrite, WriteFacts, WriteReturned)
-from pdserve.core.kv_layout import KVLayout
 from pdserve.disagg.local_facts import LocalFacts
+from pdserve.disagg.machine_events import Tick
+from pdserve.disagg.prefill_events import (
+    Drop,
+    Fail,
+    FromDecode,
+    MarkFailed,
+    PrefillAccept,
+    PrefillDone,
+    PrefillReport,
+    RoomRouted,
+    Send,
+    StartWrite,
+    WriteFacts,
+    WriteReturned,
+)
 from pdserve.disagg.prefill_machine import PrefillHandoffs
 from pdserve.disagg.prefill_rooms import TRANSITIONS, RoomState
 

@@ -15,12 +15,11 @@ import time
 
 import numpy as np
 import pytest
+from transfer_pools import BackendPair, Pool, recv_until  # noqa: E402
 
 from pdserve.core.envs import Envs
 from pdserve.transfer import TransferError, create_backend, layout_to_dict
 from pdserve.transfer import mooncake as mc
-
-from transfer_pools import BackendPair, Pool, recv_until  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 if (_problem := mc.import_problem()) is not None:

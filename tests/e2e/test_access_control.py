@@ -11,7 +11,6 @@ import random
 
 import httpx
 import pytest
-
 from cluster import Server, pd_body, stop_all  # noqa: E402
 from fault_tools import KnobServer, Legs, Router, children, error_of, shared_tiny_model, wait_for  # noqa: E402
 

@@ -10,7 +10,6 @@ import random
 
 import httpx
 import pytest
-
 from cluster import Server, pd_body
 from fault_tools import KnobServer, Legs, Router, error_of
 from shared_servers import PREFILL, borrow

@@ -12,7 +12,6 @@ from collections import Counter
 
 import httpx
 import pytest
-
 from cluster import Server, pd_body, post_both, run  # noqa: E402
 from shared_servers import COLOCATED, DECODE, PREFILL, borrow  # noqa: E402
 

@@ -11,7 +11,6 @@ import random
 
 import httpx
 import pytest
-
 from cluster import Server, stop_all  # noqa: E402
 from fault_tools import Router, fd_count, shared_tiny_model, wait_for  # noqa: E402
 

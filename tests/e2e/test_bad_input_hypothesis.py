@@ -13,10 +13,9 @@ import json
 
 import httpx
 import pytest
+from fault_tools import Router  # noqa: E402
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-
-from fault_tools import Router  # noqa: E402
 from shared_servers import DECODE, PREFILL, borrow  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -10,7 +10,6 @@ from dataclasses import replace
 
 import httpx
 import pytest
-
 from fault_tools import Router
 from shared_servers import COLOCATED, DECODE, PREFILL, borrow
 

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.e2e

@@ -10,8 +10,6 @@ import json
 
 import httpx
 import pytest
-
-from cluster import Server  # noqa: E402
 from fault_tools import KnobServer  # noqa: E402
 from tiny_model import make_tiny_model  # noqa: E402
 

@@ -16,10 +16,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
 from cluster import FAST_ENV, pd_body, stop_all  # noqa: E402
-from fault_tools import (KnobServer, Legs, assert_failed, flush_cache, decoding, error_of, kv_req_sent,  # noqa: E402
-                         prefilling, room_on, shared_tiny_model, status, transferring, wait_for)
+from fault_tools import (  # noqa: E402
+    KnobServer,
+    Legs,
+    assert_failed,
+    decoding,
+    error_of,
+    flush_cache,
+    kv_req_sent,
+    prefilling,
+    room_on,
+    shared_tiny_model,
+    status,
+    transferring,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

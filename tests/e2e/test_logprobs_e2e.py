@@ -11,7 +11,6 @@ import json
 import httpx
 import openai
 import pytest
-
 from fault_tools import Router  # noqa: E402
 from shared_servers import COLOCATED, DECODE, PREFILL, borrow  # noqa: E402
 

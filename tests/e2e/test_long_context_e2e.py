@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
 from cluster import Server, pd_body, post_both, run, stop_all  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

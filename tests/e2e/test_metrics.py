@@ -19,11 +19,10 @@ import time
 import httpx
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from cluster import ROOT, Server, free_port, pd_body, post_both, run, stop_all  # noqa: E402
 from fake_worker import write_fake_model  # noqa: E402
 from handoff_harness import FakePrefillLink  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families
 from tiny_model import make_tiny_model  # noqa: E402
 
 from pdserve.core.errors import BadRequest  # noqa: E402
@@ -31,8 +30,8 @@ from pdserve.core.kv_layout import KVLayout  # noqa: E402
 from pdserve.core.messages import ErrorInfo, TokenOutput, WorkerStats  # noqa: E402
 from pdserve.core.sampling import SamplingParams  # noqa: E402
 from pdserve.disagg.bootstrap_table import RankInfo  # noqa: E402
-from pdserve.disagg.kv_receiver import DecodeReceiver, ReceiverLimits  # noqa: E402
 from pdserve.disagg.decode_events import RankResolved  # noqa: E402
+from pdserve.disagg.kv_receiver import DecodeReceiver, ReceiverLimits  # noqa: E402
 from pdserve.disagg.kv_sender import PrefillSender  # noqa: E402
 from pdserve.disagg.local_facts import LocalFacts  # noqa: E402
 from pdserve.disagg.resolution import Resolved  # noqa: E402

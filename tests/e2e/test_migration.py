@@ -20,11 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
 from cluster import Server
 from fault_tools import KnobServer, Legs, Router, decoding, wait_for
-from pdserve.bench.tcp_proxy import TcpProxy
 from shared_servers import COLOCATED
+
+from pdserve.bench.tcp_proxy import TcpProxy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 LENT = {"C": COLOCATED}  # only the colocated reference is borrowed (shared_servers.py)

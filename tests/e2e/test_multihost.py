@@ -26,15 +26,14 @@ import time
 import types
 
 import httpx
-import pytest
-
 import netns  # noqa: E402
+import pytest
 from cluster import ROOT, Server, free_port  # noqa: E402
+from fault_tools import KnobServer, Legs, error_of, flush_cache, prefilling, shared_tiny_model, transferring, wait_for  # noqa: E402
 from tcp_proxy import FaultyProxy  # noqa: E402
+
 from pdserve.transfer.mooncake import import_problem as mooncake_problem  # noqa: E402
 from pdserve.transfer.nixl import import_problem as nixl_problem  # noqa: E402
-from fault_tools import (KnobServer, Legs, error_of, flush_cache, prefilling, shared_tiny_model,  # noqa: E402
-                         transferring, wait_for)
 
 _why = netns.unavailable()
 if _why:

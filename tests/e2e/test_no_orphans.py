@@ -13,7 +13,6 @@ import sys
 import uuid
 
 import pytest
-
 from cluster import ROOT, free_port
 from fault_tools import KnobServer, Legs, alive, children, shared_tiny_model, wait_for
 

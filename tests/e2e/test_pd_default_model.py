@@ -7,7 +7,6 @@ import random
 
 import httpx
 import pytest
-
 from cluster import Server, pd_body, post_both, run  # noqa: E402
 from shared_servers import DEFAULT_MODEL_FLAGS, borrow, default_model_kind  # noqa: E402
 

@@ -11,7 +11,6 @@ import random
 import time
 
 import pytest
-
 from cluster import Server, pd_body, post_both, run  # noqa: E402
 from shared_servers import COLOCATED, DECODE, DECODE_DP2, PREFILL, PREFILL_DP2, borrow  # noqa: E402
 

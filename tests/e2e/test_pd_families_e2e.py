@@ -8,7 +8,6 @@ import random
 
 import httpx
 import pytest
-
 from cluster import Server, pd_body, post_both, run, stop_all  # noqa: E402
 from tiny_families import make_tiny_family  # noqa: E402
 

@@ -15,7 +15,6 @@ import time
 
 import httpx
 import pytest
-
 from cluster import Server, pd_body, post_both, run  # noqa: E402
 from shared_servers import COLOCATED, DECODE, borrow  # noqa: E402
 

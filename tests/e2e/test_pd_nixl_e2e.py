@@ -18,7 +18,6 @@ import time
 
 import httpx
 import pytest
-
 from cluster import Server, pd_body, post_both, run  # noqa: E402
 from shared_servers import COLOCATED, borrow  # noqa: E402
 

@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
 from cluster import FAST_ENV, Server, pd_body, start_all, stop_all  # noqa: E402
 from fault_tools import assert_failed, shared_tiny_model, wait_for  # noqa: E402
 

@@ -11,10 +11,9 @@ import random
 
 import httpx
 import pytest
-
 from cluster import Server, pd_body, post_both, run  # noqa: E402
-from shared_servers import DECODE, DECODE_DP2, PREFILL_DP2, borrow  # noqa: E402
 from prefix_tools import expected_cached  # noqa: E402
+from shared_servers import DECODE, DECODE_DP2, PREFILL_DP2, borrow  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 # servers borrowed from the session's shared ones (shared_servers.py)

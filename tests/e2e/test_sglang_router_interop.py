@@ -16,7 +16,6 @@ import time
 
 import httpx
 import pytest
-
 from cluster import ROOT, Server, free_port  # noqa: E402
 from shared_servers import COLOCATED, DECODE, PREFILL_DP2, borrow  # noqa: E402
 

@@ -16,7 +16,6 @@ import time
 
 import httpx
 import pytest
-
 from cluster import Server, stop_all  # noqa: E402
 from fault_tools import Router, children, fd_count, rss_kb, shared_tiny_model, thread_count, wait_for  # noqa: E402
 

@@ -12,7 +12,6 @@ import re
 
 import httpx
 import pytest
-
 from fault_tools import Router  # noqa: E402
 from shared_servers import borrow, default_model_kind  # noqa: E402
 

@@ -10,7 +10,6 @@ import random
 from dataclasses import dataclass
 
 import pytest
-
 from cluster import Server, pd_body, post_both, run, stop_all  # noqa: E402
 from tiny_model import make_tiny_model  # noqa: E402
 

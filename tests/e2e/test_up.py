@@ -16,7 +16,6 @@ import uuid
 
 import httpx
 import pytest
-
 from cluster import ROOT, free_port  # noqa: E402
 from tiny_model import make_tiny_model  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Our fused bf16 CPU ops (engine/cpu_fused_ops.c via engine/cpu_fused.py) against the torch
 formulas they replace in model.py: bit-identical at every shape (rows of 64..3072 and odd
-widths, 1..517 rows, strided input rows), subnormals kept as torch keeps them; where the CPU or compiler lacks what they need,
-load_fused_ops returns None and this module is skipped."""
+widths, 1..517 rows, strided input rows), subnormals kept as torch keeps them; where the CPU or
+compiler lacks what they need, load_fused_ops returns None and this module is skipped."""
 
 from __future__ import annotations
 

@@ -10,15 +10,13 @@ import pytest
 
 from pdserve.core.config import Role, ServerConfig
 from pdserve.core.errors import BadRequest, Unavailable
-from pdserve.core.messages import TokenOutput
+from pdserve.core.messages import PDParams, TokenOutput
 from pdserve.core.sampling import SamplingParams
+from pdserve.server import role_table
 from pdserve.server.dispatcher import DPDispatcher, LBMethod
 from pdserve.server.generation import Generator, Limits
 from pdserve.server.metrics import FrontMetrics
-from pdserve.core.messages import PDParams
 from pdserve.server.protocol import RequestItem
-from pdserve.server import roles
-from pdserve.server import role_table
 from pdserve.server.role_table import make_role
 from pdserve.server.roles import ColocatedRole, Dispatch
 

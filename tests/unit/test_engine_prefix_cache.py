@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tiny_model import make_tiny_model  # noqa: E402
 from prefix_tools import expected_cached  # noqa: E402
+from tiny_model import make_tiny_model  # noqa: E402
 
 from pdserve.core.sampling import SamplingParams  # noqa: E402
 from pdserve.engine.engine import Engine, EngineConfig  # noqa: E402

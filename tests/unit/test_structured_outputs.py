@@ -11,7 +11,6 @@ import re
 
 import pytest
 import torch
-
 from fake_worker import write_fake_model
 from tiny_model import make_tiny_model
 
