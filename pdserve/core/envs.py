@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
-from typing import Generic, Mapping, TypeVar
+from typing import Any, Generic, Mapping, TypeVar
 
 T = TypeVar("T")
 _TRUE = {"1", "true", "yes", "on"}
@@ -55,7 +55,7 @@ class EnvVar(Generic[T]):
 
 def env(default: T, aliases: tuple[str, ...] = (), doc: str = "") -> T:
     """A field of `Envs`: its default, the other names it is read under, what it means."""
-    return field(default=default, metadata={"aliases": aliases, "doc": doc})  # type: ignore[no-any-return]
+    return field(default=default, metadata={"aliases": aliases, "doc": doc})
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,8 @@ class Envs:
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> Envs:
         environ = os.environ if environ is None else environ
-        return cls(**{var.attr: var.get(environ) for var in REGISTRY})
+        values: dict[str, Any] = {var.attr: var.get(environ) for var in REGISTRY}
+        return cls(**values)
 
 
 # every variable, in `Envs` order (docs and the deploy doc's test list them)

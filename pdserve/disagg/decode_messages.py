@@ -4,6 +4,8 @@ each part took, pages reused and moved, the transfer's rate, admission)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from . import wire
 from .decode_events import SendAbort
 from .decode_rooms import DecodeRoom, DecodeState
@@ -37,10 +39,10 @@ def room_report(r: DecodeRoom, dp_rank: int, retry_after: int) -> HandoffDone:
                        dict(r.stages))
 
 
-def room_meta(r: DecodeRoom, dp_rank: int, retry_after: int) -> dict:
+def room_meta(r: DecodeRoom, dp_rank: int, retry_after: int) -> dict[str, Any]:
     """The meta_info of `r`; `retry_after` is what a refused room tells its client."""
     h = r.handoff
-    d: dict = {"bootstrap_room": r.room, "decode_dp_rank": dp_rank}
+    d: dict[str, Any] = {"bootstrap_room": r.room, "decode_dp_rank": dp_rank}
     if r.state in (D.FAILED, D.QUARANTINED):
         d["failure_cause"] = r.cause.value
     if r.refused:

@@ -35,7 +35,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from ..core.errors import PDServeError
 from ..transfer.base import Endpoint, TransferBackend, TransferError
@@ -129,7 +129,7 @@ class DecodeReceiver:
         self.link.watch(addr)  # until the room's pages are free: unwatched at its report or release
         self._step(DecodeAccept(room, rid, addr, prompt_len, hint, now=time.monotonic()))
 
-    def on_message(self, sender: dict, raw: dict) -> None:
+    def on_message(self, sender: Endpoint, raw: dict[str, Any]) -> None:
         if not isinstance(raw, dict) or raw.get("room") not in self.rooms:
             return
         now = time.monotonic()
@@ -198,14 +198,14 @@ class DecodeReceiver:
             got = Reservation(got)
         return PagesReserved(e.room, got=got, now=now, wall=time.time())
 
-    def _submit(self, fn: Callable, *args) -> None:
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
         try:
             self.pool.submit(fn, *args)
         except RuntimeError:  # closed
             pass
 
     @staticmethod
-    def _peer(res: Resolved) -> dict:
+    def _peer(res: Resolved) -> dict[str, Any]:
         """The prefill rank's transfer endpoint descriptor."""
         assert res.info is not None
         return res.info.peer()
@@ -223,7 +223,7 @@ class DecodeReceiver:
             err = f"room {room}: sending metadata to prefill {res.addr} dp_rank {res.rank} failed: {e}"
         self.inbox.post(KvReqSent(room, sent_at, err))
 
-    def _quiet_send(self, peer: Endpoint, msg: dict) -> None:
+    def _quiet_send(self, peer: Endpoint, msg: dict[str, Any]) -> None:
         try:
             self.backend.send(peer, msg)
         except (TransferError, OSError) as e:
@@ -256,7 +256,7 @@ class DecodeReceiver:
         return dict(Counter(r.state.value if r.state is DecodeState.QUARANTINED else r.state.phase.value
                             for r in self.rooms.values()))
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """What server_info shows of the handoffs (a decode worker's stats)."""
         m = self.machine
         return {"preallocated_requests": self.preallocated(), "handoff_states": self.states(),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union, cast
 
 import msgspec
 
@@ -41,14 +41,14 @@ class PrefillAccept(Event):
 class PrefillDone(Event):
     room: int
     pages: list[int]
-    aux: dict  # the KvDone facts (prefill_messages.DONE_FIELDS): first token, logprobs, prompt_len, ...
+    aux: dict[str, Any]  # the KvDone facts (prefill_messages.DONE_FIELDS): first token, logprobs, prompt_len, ...
 
 
 @dataclass(frozen=True)
 class FromDecode(Event):
     """A typed control message from a decode worker (KvReq or KvAbort) and who sent it."""
 
-    sender: dict
+    sender: Endpoint
     msg: wire.Message
 
 
@@ -88,7 +88,7 @@ class WriteFacts:
     finished_at: float | None = None
     writes: int = 0
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
@@ -116,7 +116,7 @@ class Send:
         """What to send instead, now that `msg` could not be sent because of `error`."""
         if self.on_error is None:
             return None
-        m = self.on_error.msg
+        m = cast(Union[wire.KvFail, wire.KvAbort], self.on_error.msg)
         return dataclasses.replace(self.on_error, msg=msgspec.structs.replace(m, reason=f"{m.reason}: {error}"))
 
 
@@ -127,7 +127,7 @@ class StartWrite:
 
     room: int
     peer: Endpoint
-    layout: dict
+    layout: dict[str, Any]
     src_pages: list[int]
     dst_pages: list[int]
     done: wire.KvDone
