@@ -3,6 +3,6 @@
 # over the tree; exits non-zero on any finding. scripts/test.sh runs it before pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
+PY=${LINT_PYTHON:-.venv/bin/python}  # the venv scripts/setup.sh made
 "$PY" -m ruff check pdserve tests scripts
 "$PY" -m mypy
