@@ -236,7 +236,8 @@ def main(argv: list[str] | None = None) -> None:
             print(reply["choices"][0]["message"]["content"], flush=True)
             return
         print(f"pdserve is up: router {url}  (prefill :{a.prefill_port} dp={cluster.prefill_dp}, "
-              f"decode :{a.decode_port} dp={cluster.decode_dp}; logs in {log_dir})\ntry:\n  curl {url}/v1/chat/completions "
+              f"decode :{a.decode_port} dp={cluster.decode_dp}; logs in {log_dir})\n"
+              f"try:\n  curl {url}/v1/chat/completions "
               f"-H 'Content-Type: application/json' -d '{json.dumps(example)}'", flush=True)
         while True:
             cluster.check_alive()

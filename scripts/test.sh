@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up (scripts/setup.sh) and runs the whole test suite; exits non-zero on any failure.
-#   bash scripts/test.sh            the whole suite
+#   bash scripts/test.sh            lint (scripts/lint.sh: ruff, mypy), then the whole suite
 #   bash scripts/test.sh ARGS...    one pytest run with ARGS (e.g. tests/unit -k tcp)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +10,7 @@ PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15)
 if [ $# -gt 0 ]; then
   exec "${PYTEST[@]}" "$@"
 fi
+bash scripts/lint.sh  # any ruff or mypy finding fails the suite here, before the tests run
 # The end-to-end tests leave most of a second core idle (server start-ups, deadlines, I/O), so the
 # in-process tests (unit, disagg) run beside them at the lowest CPU priority: they take only what
 # the e2e tests leave, and the e2e tests keep the timing they were written for.

@@ -14,6 +14,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.harness.handoff_harness import THREAD_PREFIXES, WAIT_S, Link, make_link  # noqa: E402
 
+
 @pytest.fixture
 def no_stray_threads():
     """Every thread a test starts (senders, receivers, resolvers, servers) is stopped by its end."""

@@ -41,8 +41,8 @@ def _engine_part(cfg: ServerConfig, model_dir: str, mode: str) -> None:
 
     from ..core.cpu_binding import rank_cpus, set_process_cpus
     from ..core.envs import Envs
-    from ..engine.loader import load_model
     from ..engine.linear import MatmulPath
+    from ..engine.loader import load_model
     from ..model_files.hf_config import ModelConfig
     from ..worker.setup import apply_cpu_plan, pick_dtype, pick_threads
 

@@ -125,7 +125,8 @@ def main(argv=None) -> None:
           f"repeats={a.repeats} cpu={HostInfo.read().model_name!r} matmul={plan.matmul.value} "
           f"decode_attention={plan.decode_attention.value} "
           f"prefill_attention={','.join(p.value for p in plan.prefill_attention)} norms={plan.elementwise.value} "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')} GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '')} "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')} "
+          f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '')} "
           "(a server's worker gets the setting `pdserve bench calibrate` shows; set it here to match)")
     print(f"{'case (median tokens/s)':<40}{'clock':>6}{'pdserve':>10}{'HF':>10}{'ratio':>8}")
     cases = (("single-stream decode", "single"),

@@ -22,9 +22,8 @@ import time
 import numpy as np
 
 from ..core.kv_layout import KVLayout
-from ..transfer import TransferBackend, create_backend, layout_to_dict
+from ..transfer import TransferBackend, create_backend, layout_to_dict, mooncake, nixl
 from ..transfer.base import joint_runs
-from ..transfer import mooncake, nixl
 from .transfer_bench import RawLink, permuted_runs
 
 MIB = 1 << 20

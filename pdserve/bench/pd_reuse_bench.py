@@ -99,9 +99,11 @@ async def _run(a, colo: _Proc, pairs: dict[str, tuple[_Proc, _Proc]], page: int)
     for turn, r in rows.items():
         plen = a.system_tokens + turn * a.user_tokens + (turn - 1) * a.answer_tokens
         print(f"{turn:>4} {plen:>7} {med(r['colo']) * 1000:>10.1f} "
-              + " ".join(f"{med(r[f'ttft {s}']) * 1000:>12.1f}" for s in SETUPS) + f" {sum(r['same'])}/{len(r['same'])}")
+              + " ".join(f"{med(r[f'ttft {s}']) * 1000:>12.1f}" for s in SETUPS)
+              + f" {sum(r['same'])}/{len(r['same'])}")
     print("KV pages sent to the decode / reused from its cache (medians); new = pages the turn's new tokens need")
-    print(f"{'turn':>4} {'new':>4} " + " ".join(f"{s + ' sent':>17} {'reused':>6}" for s in SETUPS) + f" {'KiB reuse':>10} {'KiB no reuse':>13}")
+    print(f"{'turn':>4} {'new':>4} " + " ".join(f"{s + ' sent':>17} {'reused':>6}" for s in SETUPS)
+          + f" {'KiB reuse':>10} {'KiB no reuse':>13}")
     for turn, r in rows.items():
         print(f"{turn:>4} {med(r['new_pages']):>4.0f} "
               + " ".join(f"{med(r[f'sent {s}']):>17.0f} {med(r[f'reused {s}']):>6.0f}" for s in SETUPS)

@@ -24,8 +24,7 @@ from ..core.config import add_dataclass_args, dataclass_from_args
 from .arrivals import ArrivalKind, arrival_offsets, gather_on_schedule
 from .backends import BACKENDS, BackendOptions, endpoint_url, send_and_read
 from .conversations import Conversation, make_conversations, run_conversations, turn_request
-from .datasets import (BenchRequest, TokenCounter, file_requests, random_requests,
-                       shared_prefix_requests)
+from .datasets import BenchRequest, TokenCounter, file_requests, random_requests, shared_prefix_requests
 from .metrics import RequestRecord, Summary, format_summary, summarize
 from .serve_config import CACHE_DATASETS, BenchConfig
 

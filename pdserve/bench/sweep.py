@@ -29,7 +29,8 @@ from ..core.config import add_dataclass_args, dataclass_from_args
 from ..core.launcher import ProcessGroup, free_port, http_ok, stop_all
 from .arrivals import ArrivalKind
 from .datasets import TokenCounter, random_requests
-from .serve import BenchConfig, BenchError, run as run_bench
+from .serve import BenchConfig, BenchError
+from .serve import run as run_bench
 
 PERCENTILES = ("median", "p90", "p99")
 HANDOFF_KEYS = ("bootstrap_room", "prefill_dp_rank", "decode_dp_rank", "dp_rank_path", "resolve_s",

@@ -30,13 +30,12 @@ import re
 import shlex
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 
-from ..core.launcher import LaunchError, ProcessGroup, free_port
 from ..core.cpu_binding import available_cpus
+from ..core.launcher import LaunchError, ProcessGroup, free_port
 from .metrics import RequestRecord, Summary, stats_ms, summarize
 from .serve import BenchConfig, BenchError, run
 from .serve import _finite as finite
@@ -318,7 +317,8 @@ def format_results(results: list[SystemResult], cmp: dict | None) -> str:
                      f"{_f(r.reused_pct, '.1f') + '%':>8}{r.summary.failed:>7}")
     lines.append("(TTFT and ITL in ms; reused: prompt tokens the replies report as cached)")
     if cmp is not None:
-        lines.append(f"{'up/colocated':<15}{_f(cmp['mean_ttft'], '.2f') + 'x':>10}{_f(cmp['median_ttft'], '.2f') + 'x':>10}"
+        lines.append(f"{'up/colocated':<15}{_f(cmp['mean_ttft'], '.2f') + 'x':>10}"
+                     f"{_f(cmp['median_ttft'], '.2f') + 'x':>10}"
                      f"{'':>17}{_f(cmp['itl_p50'], '.2f') + 'x':>9}{_f(cmp['itl_p99'], '.2f') + 'x':>9}"
                      f"{_f(cmp['output_throughput'], '.2f') + 'x':>10}{_f(cmp['reused_points'], '+.1f') + 'pt':>8}")
         met = cmp["targets_met"]

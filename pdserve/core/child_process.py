@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+from typing import Any
 
 PR_SET_PDEATHSIG = 1
 WRAPPER_PATH = os.path.abspath(__file__)
@@ -37,7 +38,7 @@ def wrapped_command(cmd: list[str], parent_pid: int | None = None) -> list[str]:
     return [sys.executable, "-I", WRAPPER_PATH, str(pid), "--", *cmd]
 
 
-def spawn_child(cmd: list[str], **popen_kwargs) -> subprocess.Popen:
+def spawn_child(cmd: list[str], **popen_kwargs: Any) -> subprocess.Popen[Any]:
     """subprocess.Popen(cmd, **popen_kwargs), with the child (and what it execs) SIGKILLed by
     the kernel when the calling thread of this process ends. Same keyword arguments as Popen
     (`start_new_session=True` still works: the signal does not depend on the process group)."""

@@ -7,6 +7,7 @@ import enum
 import json
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any
 
 from .pd_vocab import DEFAULT_BOOTSTRAP_PORT, LB_METHODS
 
@@ -19,7 +20,7 @@ class Role(str, enum.Enum):
 
 
 
-def _opt(help: str, choices: tuple | None = None, aliases: tuple[str, ...] = (), **kw):
+def _opt(help: str, choices: tuple[Any, ...] | None = None, aliases: tuple[str, ...] = (), **kw: Any) -> Any:
     """A config field; `aliases`: other flag names users know it by (e.g. SGLang's)."""
     return field(metadata={"help": help, "choices": choices, "aliases": aliases}, **kw)
 
@@ -190,10 +191,10 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[s
     for f in fields(cls):
         if f.name in skip:
             continue
-        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[operator]
         kind = hints[f.name]
         meta = f.metadata
-        kw: dict = {"help": meta.get("help", ""), "dest": f.name}
+        kw: dict[str, Any] = {"help": meta.get("help", ""), "dest": f.name}
         names = (_flag(f.name), *meta.get("aliases", ()))
         if kind is bool:
             parser.add_argument(*names, action="store_true", default=default, **kw)
@@ -211,7 +212,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[s
         parser.add_argument(*names, default=default, **kw)
 
 
-def dataclass_from_args(cls: type, args: argparse.Namespace, **override):
+def dataclass_from_args(cls: type[Any], args: argparse.Namespace, **override: Any) -> Any:
     hints = typing.get_type_hints(cls)
     kw = {}
     for f in fields(cls):

@@ -8,8 +8,8 @@ the environment themselves.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
-from typing import Generic, Mapping, TypeVar
+from dataclasses import dataclass, field, fields
+from typing import Any, Generic, Mapping, TypeVar
 
 T = TypeVar("T")
 _TRUE = {"1", "true", "yes", "on"}
@@ -22,6 +22,7 @@ class EnvVar(Generic[T]):
     default: T
     aliases: tuple[str, ...] = ()
     doc: str = ""
+    attr: str = ""  # its Envs field
 
     def get(self, environ: Mapping[str, str]) -> T:
         for key in (self.name, *self.aliases):
@@ -52,67 +53,59 @@ class EnvVar(Generic[T]):
             raise ValueError(f"environment variable {key}={raw!r} is not a valid {kind.__name__}") from None
 
 
-REGISTRY: tuple[EnvVar, ...] = (
-    EnvVar("PDSERVE_FORCE_QUERY_PREFILL_DP_RANK", False,
-           ("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK",),
-           "prefill: allow mixed routing and publish force_query_dp_rank; decode: always query"),
-    EnvVar("PDSERVE_BOOTSTRAP_TIMEOUT", 300.0, ("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT",),
-           "seconds a prefill waits for the decode's destination metadata"),
-    EnvVar("PDSERVE_WAITING_TIMEOUT", 300.0, ("SGLANG_DISAGGREGATION_WAITING_TIMEOUT",),
-           "seconds a decode waits for the KV after sending its metadata"),
-    EnvVar("PDSERVE_TOPOLOGY_TIMEOUT", 10.0, (), "seconds to fetch a prefill's topology"),
-    EnvVar("PDSERVE_DP_RANK_QUERY_TIMEOUT", 30.0, (), "seconds a decode queries /query_dp_ranks"),
-    EnvVar("PDSERVE_HEARTBEAT_INTERVAL", 5.0, ("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL",),
-           "seconds between decode heartbeats to each prefill bootstrap /health"),
-    EnvVar("PDSERVE_HEARTBEAT_MAX_FAILURE", 2, ("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE",),
-           "missed heartbeats before a prefill is declared gone"),
-    EnvVar("PDSERVE_KV_QUARANTINE_TIMEOUT", 0.0, (),
-           "seconds a decode keeps the KV pages of a room it failed while its prefill was unheard "
-           "(a late write may still land); unset: PDSERVE_BOOTSTRAP_TIMEOUT + the transfer io timeout"),
-    EnvVar("PDSERVE_ROOM_TTL", 600.0, (), "seconds a bootstrap table entry lives"),
-    EnvVar("PDSERVE_BOOTSTRAP_TOKEN", "", (),
-           "cluster token the bootstrap service requires on PUT /route and /register_dp_rank"),
-    EnvVar("PDSERVE_CACHE_DIR", "", (), "where converted models are cached (default ~/.cache/pdserve)"),
-    EnvVar("PDSERVE_MOONCAKE_PROTOCOL", "tcp", (), "mooncake transfer backend protocol: tcp or rdma"),
-    EnvVar("PDSERVE_MOONCAKE_DEVICE", "", (), "mooncake RDMA device name(s), e.g. mlx5_0 (empty: Mooncake picks)"),
-    EnvVar("PDSERVE_ALLOW_LONG_CONTEXT", False,
-           ("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN"),
-           "allow --context-length above the model's max_position_embeddings"),
-    EnvVar("PDSERVE_ADVERTISE_HOST", "", ("SGLANG_HOST_IP",),
-           "address peers are told (--advertise-host wins over it)"),
-    EnvVar("PDSERVE_ADVERTISE_INTERFACE", "", ("SGLANG_LOCAL_IP_NIC",),
-           "interface whose address a wildcard --host advertises (--advertise-interface wins)"),
-)
+def env(default: T, aliases: tuple[str, ...] = (), doc: str = "") -> T:
+    """A field of `Envs`: its default, the other names it is read under, what it means."""
+    return field(default=default, metadata={"aliases": aliases, "doc": doc})
 
 
 @dataclass(frozen=True)
 class Envs:
-    """A snapshot of every registered variable, typed."""
+    """A snapshot of every registered variable, typed. Field `x` is read from PDSERVE_X, then its
+    aliases (SGLang's names where one exists); each default is written here once."""
 
-    force_query_prefill_dp_rank: bool = False
-    bootstrap_timeout: float = 300.0
-    waiting_timeout: float = 300.0
-    topology_timeout: float = 10.0
-    dp_rank_query_timeout: float = 30.0
-    heartbeat_interval: float = 5.0
-    heartbeat_max_failure: int = 2
-    kv_quarantine_timeout: float = 0.0  # 0: derived (worker/decode.py quarantine_timeout)
-    room_ttl: float = 600.0
-    bootstrap_token: str = ""
-    cache_dir: str = ""
-    mooncake_protocol: str = "tcp"
-    mooncake_device: str = ""
-    allow_long_context: bool = False
-    advertise_host: str = ""
-    advertise_interface: str = ""
+    force_query_prefill_dp_rank: bool = env(False, ("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK",),
+        "prefill: allow mixed routing and publish force_query_dp_rank; decode: always query")
+    bootstrap_timeout: float = env(300.0, ("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT",),
+        "seconds a prefill waits for the decode's destination metadata")
+    waiting_timeout: float = env(300.0, ("SGLANG_DISAGGREGATION_WAITING_TIMEOUT",),
+        "seconds a decode waits for the KV after sending its metadata")
+    topology_timeout: float = env(10.0, (),
+        "seconds to fetch a prefill's topology")
+    dp_rank_query_timeout: float = env(30.0, (),
+        "seconds a decode queries /query_dp_ranks")
+    heartbeat_interval: float = env(5.0, ("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL",),
+        "seconds between decode heartbeats to each prefill bootstrap /health")
+    heartbeat_max_failure: int = env(2, ("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE",),
+        "missed heartbeats before a prefill is declared gone")
+    kv_quarantine_timeout: float = env(0.0, (),
+        "seconds a decode keeps the KV pages of a room it failed while its prefill was unheard "
+        "(a late write may still land); unset: PDSERVE_BOOTSTRAP_TIMEOUT + the transfer io timeout")
+    room_ttl: float = env(600.0, (),
+        "seconds a bootstrap table entry lives")
+    bootstrap_token: str = env("", (),
+        "cluster token the bootstrap service requires on PUT /route and /register_dp_rank")
+    cache_dir: str = env("", (),
+        "where converted models are cached (default ~/.cache/pdserve)")
+    mooncake_protocol: str = env("tcp", (),
+        "mooncake transfer backend protocol: tcp or rdma")
+    mooncake_device: str = env("", (),
+        "mooncake RDMA device name(s), e.g. mlx5_0 (empty: Mooncake picks)")
+    allow_long_context: bool = env(False,
+        ("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN"),
+        "allow --context-length above the model's max_position_embeddings")
+    advertise_host: str = env("", ("SGLANG_HOST_IP",),
+        "address peers are told (--advertise-host wins over it)")
+    advertise_interface: str = env("", ("SGLANG_LOCAL_IP_NIC",),
+        "interface whose address a wildcard --host advertises (--advertise-interface wins)")
 
     @classmethod
-    def read(cls, environ: Mapping[str, str] | None = None) -> "Envs":
-        env = os.environ if environ is None else environ
-        by_field = {f.name: f for f in fields(cls)}
-        values = {}
-        for var in REGISTRY:
-            fname = var.name.removeprefix("PDSERVE_").lower()
-            assert fname in by_field, fname
-            values[fname] = var.get(env)
+    def read(cls, environ: Mapping[str, str] | None = None) -> Envs:
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {var.attr: var.get(environ) for var in REGISTRY}
         return cls(**values)
+
+
+# every variable, in `Envs` order (docs and the deploy doc's test list them)
+REGISTRY: tuple[EnvVar[object], ...] = tuple(
+    EnvVar(f"PDSERVE_{f.name.upper()}", f.default, f.metadata["aliases"], f.metadata["doc"], f.name)
+    for f in fields(Envs))

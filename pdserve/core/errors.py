@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class PDServeError(Exception):
     """Base error: `status` is the HTTP status to answer with, `type` the error type string."""
@@ -13,7 +15,7 @@ class PDServeError(Exception):
         super().__init__(message)
         self.message = message
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "code": self.status}}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from .errors import BadRequest
 
@@ -79,7 +80,7 @@ def only_one(found: list[GrammarSpec]) -> GrammarSpec | None:
     return found[0] if found else None
 
 
-def from_sglang_sampling(obj: dict, label) -> GrammarSpec | None:
+def from_sglang_sampling(obj: dict[str, Any], label: Callable[[str], str]) -> GrammarSpec | None:
     """SGLang's `sampling_params` json_schema (JSON text; an object is taken too) / regex / ebnf;
     `label(key)` spells the field for errors."""
     found = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 # the flags that change which kernel exists or wins; others (sse, aes, ...) do not matter here
 ISA_FLAGS = frozenset({"avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
@@ -53,7 +54,7 @@ class HostInfo:
             name += " (" + " ".join(f"{k} {v}" for k, v in ids if v) + ")"
         return HostInfo(name, cpu_flags(cpuinfo) & ISA_FLAGS, cores)
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         amx = {"amx_tile", "amx_bf16"} <= self.isa_flags
         return {"cpu": self.model_name, "isa": sorted(self.isa_flags), "amx": amx,
                 "avx512_bf16": "avx512_bf16" in self.isa_flags, "cores": self.cores}

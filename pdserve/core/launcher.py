@@ -27,6 +27,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from .child_process import wrapped_command
 
@@ -50,14 +51,15 @@ def free_port(host: str = "127.0.0.1") -> int:
     take it before the child binds it: a caller that must not fail relaunches on EADDRINUSE."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def http_ok(url: str, timeout_s: float = 2.0, headers: dict[str, str] | None = None) -> bool:
     """GET `url` answered 200 within timeout_s (no proxy: these are probes of local children)."""
     try:
         with _NO_PROXY.open(urllib.request.Request(url, headers=headers or {}), timeout=timeout_s) as r:
-            return r.status == 200
+            status: int = r.status
+            return status == 200
     except (OSError, http.client.HTTPException, ValueError):  # URLError and HTTPError are OSErrors
         return False
 
@@ -69,7 +71,7 @@ class ProcessGroup:
 
     def __init__(self, cmd: Sequence[str], *, name: str = "", log_path: str | None = None,
                  log_append: bool = False, term_group: bool = True, die_with_parent: bool = False,
-                 **popen_kwargs):
+                 **popen_kwargs: Any):
         """`term_group=False`: SIGTERM goes to the leader alone (a front or `pdserve up` that
         stops its own children gracefully); SIGKILL always goes to the whole group."""
         if isinstance(cmd, (str, bytes)):
@@ -93,7 +95,7 @@ class ProcessGroup:
     def __enter__(self) -> ProcessGroup:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     @property
@@ -153,9 +155,9 @@ class ProcessGroup:
         if rc is not None:
             raise LaunchError(f"{self.name} (pid {self.pid}) exited with code {rc}{when}{self._log_note()}", rc)
 
-    def wait_output(self, pattern: str, timeout_s: float) -> re.Match:
+    def wait_output(self, pattern: str, timeout_s: float) -> re.Match[str]:
         """The first match of `pattern` in the log, once printed (as wait_healthy otherwise)."""
-        found: list[re.Match] = []
+        found: list[re.Match[str]] = []
 
         def printed() -> bool:
             m = re.search(pattern, self.output())

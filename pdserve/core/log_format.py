@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
+from typing import IO, Any
 
 LOG_FORMATS = ("text", "json")
 QUIET_LIBRARIES = ("httpx", "httpcore")  # a line per HTTP call of the bootstrap client: warnings only
@@ -26,7 +27,7 @@ def new_instance_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def fields(**kw) -> dict:
+def fields(**kw: Any) -> dict[str, Any]:
     """Event fields for a log call's `extra`; None values are left out."""
     return {k: v for k, v in kw.items() if v is not None}
 
@@ -54,9 +55,9 @@ class ContextFilter(logging.Filter):
         return True
 
 
-def event_fields(record: logging.LogRecord) -> dict:
+def event_fields(record: logging.LogRecord) -> dict[str, Any]:
     """The line's fields in a fixed order: time, level, context, logger, msg, event fields."""
-    out: dict = {"ts": _iso(record.created), "level": record.levelname.lower()}
+    out: dict[str, Any] = {"ts": _iso(record.created), "level": record.levelname.lower()}
     for key in _CONTEXT_KEYS:
         v = getattr(record, key, None)
         if v is not None and v != "":
@@ -75,7 +76,7 @@ def _iso(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
 
 
-def _text_value(v) -> str:
+def _text_value(v: Any) -> str:
     if isinstance(v, float):
         v = f"{v:.6g}"
     elif not isinstance(v, (str, int)):
@@ -106,7 +107,7 @@ def make_formatter(fmt: str) -> logging.Formatter:
     return JsonFormatter() if fmt == "json" else KeyValueFormatter()
 
 
-def configure_logging(level: str, fmt: str, ctx: LogContext, stream=None) -> logging.Handler:
+def configure_logging(level: str, fmt: str, ctx: LogContext, stream: IO[str] | None = None) -> logging.Handler:
     """Replace the root logger's handlers with one structured handler (stderr by default).
     Uvicorn's own loggers propagate here when it is started with `log_config=None`."""
     handler = logging.StreamHandler(stream or sys.stderr)

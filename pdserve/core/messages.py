@@ -9,6 +9,7 @@ Worker -> front: WorkerReady once, then OutputBatch per engine step and WorkerSt
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .logprobs import PromptLogprobs, TopLogprobs
 from .pd_vocab import DEFAULT_BOOTSTRAP_PORT
@@ -73,7 +74,7 @@ class RoomRoutedNotice:
 
     room: int
     rank: int
-    endpoint: dict
+    endpoint: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -105,13 +106,13 @@ class TokenOutput:
     token_logprobs: list[float] | None = None
     top_logprobs: list[TopLogprobs] | None = None  # one list of alternatives per token, when asked
     finished: bool = False
-    finish_reason: dict | None = None  # {"type": "stop"|"length"|"abort", "matched": ...}
+    finish_reason: dict[str, Any] | None = None  # {"type": "stop"|"length"|"abort", "matched": ...}
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV was reused (prefix cache), with every output
     input_logprobs: list[float | None] | None = None  # first output only, when asked
     input_top_logprobs: list[TopLogprobs | None] | None = None  # with input_logprobs, when asked
     error: ErrorInfo | None = None
-    meta: dict = field(default_factory=dict)  # extra meta_info, e.g. handoff timings
+    meta: dict[str, Any] = field(default_factory=dict)  # extra meta_info, e.g. handoff timings
     timeline: dict[str, float] = field(default_factory=dict)  # worker stages: core.timeline name -> time.time()
 
 
@@ -131,7 +132,7 @@ class WorkerStats:
     running_requests: int
     waiting_requests: int
     inflight_transfers: int
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def is_idle(self) -> bool:
         return (
@@ -148,7 +149,7 @@ class WorkerReady:
     total_pages: int
     page_size: int
     max_context: int
-    info: dict = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

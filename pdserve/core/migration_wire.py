@@ -15,15 +15,16 @@ SSE clients ignore comment lines; the router strips them anyway. Stdlib only: bo
 from __future__ import annotations
 
 import json
+from typing import Any
 
 PROGRESS_FIELD = "pdserve_progress"
 RESUME_FIELD = "pdserve_resume"
 PROGRESS_PREFIX = b": pdserve-progress "
 
 
-def progress_line(ids: list[int], done: bool, identity: dict | None = None) -> bytes:
+def progress_line(ids: list[int], done: bool, identity: dict[str, Any] | None = None) -> bytes:
     """The comment line that goes in front of a data event (ends with a newline)."""
-    obj: dict = {"ids": ids, "done": done}
+    obj: dict[str, Any] = {"ids": ids, "done": done}
     if identity:
         obj.update(identity)
     return PROGRESS_PREFIX + json.dumps(obj, separators=(",", ":")).encode() + b"\n"

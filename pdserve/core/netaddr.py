@@ -100,7 +100,7 @@ def _route_address(family: socket.AddressFamily) -> str | None:
     try:
         with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.connect((_ROUTE_PROBES[family], 9))
-            return s.getsockname()[0]
+            return str(s.getsockname()[0])
     except OSError:
         return None
 

@@ -8,7 +8,8 @@ import enum
 
 from .errors import BadRequest
 
-MAX_ROOM = 1 << 63  # a bootstrap_room lives in [0, 2^63)
+ROOM_BITS = 63
+MAX_ROOM = 1 << ROOM_BITS  # a bootstrap_room lives in [0, 2^63)
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's default
 MAX_QUERY_ROOMS = 4096  # rooms per POST /query_dp_ranks
 FORCE_ENV = "PDSERVE_FORCE_QUERY_PREFILL_DP_RANK"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Any
 
 from .errors import BadRequest
 from .grammar_spec import GrammarSpec, from_sglang_sampling
@@ -64,7 +65,7 @@ class SamplingParams:
         """Any logit processor applies (otherwise the sampler does no extra work for this row)."""
         return self.penalizes or bool(self.logit_bias) or self.min_new_tokens > 0 or self.grammar is not None
 
-    def replace(self, **kw) -> "SamplingParams":
+    def replace(self, **kw: Any) -> "SamplingParams":
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d.update(kw)
         return SamplingParams(**d)
@@ -79,7 +80,7 @@ class SamplingParams:
             return cls()
         if not isinstance(obj, dict):
             raise BadRequest("sampling_params must be an object")
-        kw: dict = {}
+        kw: dict[str, Any] = {}
 
         def label(name: str) -> str:
             return prefix + (names or {}).get(name, name)
@@ -88,7 +89,8 @@ class SamplingParams:
             if obj.get(key) is not None:
                 raise unsupported(label(key), why)
 
-        def num(name, lo=None, hi=None, integer=False, nullable=True):
+        def num(name: str, lo: float | None = None, hi: float | None = None, integer: bool = False,
+                nullable: bool = True) -> None:
             if name not in obj or (obj[name] is None and nullable):
                 return
             v = obj[name]

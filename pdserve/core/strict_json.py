@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any, NoReturn
 
 from .errors import BadRequest
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff: valid only in pairs
 
 
-def _no_constant(name: str):
+def _no_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not JSON")
 
 
-def loads_object(raw: bytes, what: str = "the request body") -> dict:
+def loads_object(raw: bytes, what: str = "the request body") -> dict[str, Any]:
     """`raw` as a JSON object, or BadRequest (400) saying what is wrong with it."""
     try:
         body = json.loads(raw, parse_constant=_no_constant)

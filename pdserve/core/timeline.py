@@ -9,6 +9,7 @@ good as the hosts' clock sync. A worker sends its stages in `TokenOutput.timelin
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 
 class Stage(str, enum.Enum):
@@ -43,13 +44,13 @@ TOP_FACTS = ("bootstrap_room", "prefill_dp_rank", "decode_dp_rank", "dp_rank", "
              "dp_rank_path", "cached_tokens", "failure_cause", "disaggregation")
 
 
-def transfer_stages(write: dict) -> dict[str, float]:
+def transfer_stages(write: dict[str, Any]) -> dict[str, float]:
     """The first/last KV byte stages from a page write's record (`started_at`, `finished_at`)."""
     pairs = ((Stage.FIRST_KV_BYTE, "started_at"), (Stage.LAST_KV_BYTE, "finished_at"))
     return {s.value: write[k] for s, k in pairs if isinstance(write.get(k), float)}
 
 
-def build_timeline(stages: dict[str, float], facts: dict) -> dict:
+def build_timeline(stages: dict[str, float], facts: dict[str, Any]) -> dict[str, Any]:
     """The `timeline` of meta_info: top-level facts (room, both ranks) and the recorded stages
     sorted by time (canonical order breaks ties), each with its offset from arrival."""
     known = [(t, ORDER[name], name) for name, t in stages.items() if name in ORDER and t]
@@ -57,7 +58,7 @@ def build_timeline(stages: dict[str, float], facts: dict) -> dict:
     t0 = stages.get(Stage.ARRIVAL.value) or (known[0][0] if known else 0.0)
     entries = []
     for t, _, name in known:
-        entry: dict = {"stage": name, "time": round(t, 6), "offset_s": round(t - t0, 6)}
+        entry: dict[str, Any] = {"stage": name, "time": round(t, 6), "offset_s": round(t - t0, 6)}
         for key, fact in STAGE_FACTS.get(Stage(name), ()):
             if facts.get(fact) is not None:
                 entry[key] = facts[fact]

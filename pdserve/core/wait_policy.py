@@ -25,7 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import IO, Any, Callable, Literal, Mapping
 
 from .host import HostInfo
 
@@ -61,7 +61,7 @@ class WaitChoice:
     reason: str
     measured: dict[str, dict[str, float]] = field(default_factory=dict)  # policy -> quiet/busy ms
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return {"policy": self.policy, "env": self.env, "reason": self.reason, "measured_ms": self.measured}
 
 
@@ -119,10 +119,11 @@ def run_probe(env: dict[str, str], threads: int, cpus: list[int]) -> dict[str, f
                           capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
     if done.returncode != 0:
         raise RuntimeError(f"wait probe failed ({done.returncode}): {done.stderr.strip()[-500:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    found: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return found
 
 
-def _key(host: HostInfo, threads: int) -> dict:
+def _key(host: HostInfo, threads: int) -> dict[str, Any]:
     try:
         torch_version = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
@@ -173,7 +174,7 @@ def resolve(spec: str, threads: int, cpus: list[int] | None, cache_dir: Path | N
         return choice
 
 
-def _load(path: Path | None, key: dict) -> WaitChoice | None:
+def _load(path: Path | None, key: dict[str, Any]) -> WaitChoice | None:
     if path is None:
         return None
     try:
@@ -185,7 +186,7 @@ def _load(path: Path | None, key: dict) -> WaitChoice | None:
         return None
 
 
-def _store(path: Path, key: dict, choice: WaitChoice) -> None:
+def _store(path: Path, key: dict[str, Any], choice: WaitChoice) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         json.dump({"key": key, **choice.summary()}, f, indent=1)
@@ -196,10 +197,11 @@ class _locked:
     """An exclusive lock next to `path` while probing (servers starting together probe once),
     given up after PROBE_TIMEOUT_S x candidates (a stuck holder) with a warning."""
 
-    def __init__(self, path: Path | None):
-        self.path, self.f = path, None
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.f: IO[str] | None = None
 
-    def __enter__(self):
+    def __enter__(self) -> _locked:
         if self.path is None:
             return self
         self.f = open(str(self.path) + ".lock", "w")
@@ -214,7 +216,7 @@ class _locked:
                     return self
                 time.sleep(0.1)
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         if self.f is not None:
             self.f.close()  # closing releases the lock
         return False

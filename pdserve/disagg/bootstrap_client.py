@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import httpx
 
@@ -66,7 +66,7 @@ class BootstrapClient:
         self.close()
 
     # ---- one HTTP call ----
-    def _call(self, method: str, addr: str, path: str, *, timeout: float, **kw) -> httpx.Response:
+    def _call(self, method: str, addr: str, path: str, *, timeout: float, **kw: Any) -> httpx.Response:
         url = f"http://{addr}{path}"
         try:
             return self._http.request(method, url, timeout=max(timeout, 0.001), **kw)
@@ -74,7 +74,7 @@ class BootstrapClient:
             raise BootstrapError(f"bootstrap {addr}: {method} {path} failed: "
                                  f"{type(e).__name__}: {e}") from e
 
-    def _json(self, method: str, addr: str, path: str, *, timeout: float, **kw) -> object:
+    def _json(self, method: str, addr: str, path: str, *, timeout: float, **kw: Any) -> object:
         resp = self._call(method, addr, path, timeout=timeout, **kw)
         if resp.status_code != 200:
             raise BootstrapError(f"bootstrap {addr}: {method} {path} answered {resp.status_code}: "
@@ -155,7 +155,9 @@ class BootstrapClient:
             body = self._json("GET", addr, "/health", timeout=timeout or self.timeout)
         except BootstrapError:
             return None
-        instance = body.get("instance_id") if isinstance(body, dict) else None
+        if not isinstance(body, dict):
+            return None
+        instance = body.get("instance_id")
         if not isinstance(instance, str):
             return None
         try:

@@ -20,14 +20,15 @@ import asyncio
 import hmac
 import threading
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
 from ..core.errors import BadRequest, PDServeError, Unauthorized
-from ..core.strict_json import loads_object
 from ..core.pd_vocab import MAX_QUERY_ROOMS, check_room
+from ..core.strict_json import loads_object
 from .bootstrap_table import BootstrapTable, RankInfo
+
 MAX_REASON_CHARS = 2000
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -64,7 +65,7 @@ def _require_token(token: str) -> Callable[[Handler], Handler]:
     return wrap
 
 
-async def _json_object(request: web.Request) -> dict:
+async def _json_object(request: web.Request) -> dict[str, Any]:
     return loads_object(await request.read(), f"{request.method} {request.path}: the body")
 
 
@@ -108,7 +109,7 @@ def make_bootstrap_app(table: BootstrapTable, *, token: str = "",
         if len(rooms) > MAX_QUERY_ROOMS:
             raise BadRequest(f"at most {MAX_QUERY_ROOMS} bootstrap_rooms per query, got {len(rooms)}")
         found, failed = table.lookup([check_room(r, "each of bootstrap_rooms") for r in rooms])
-        reply: dict = {str(room): rank for room, rank in found.items()}
+        reply: dict[str, Any] = {str(room): rank for room, rank in found.items()}
         if failed:
             reply["failed"] = {str(room): reason for room, reason in failed.items()}
         return web.json_response(reply)
@@ -135,7 +136,7 @@ def make_bootstrap_app(table: BootstrapTable, *, token: str = "",
         return web.json_response({"status": "ok"})
 
     async def health(request: web.Request) -> web.Response:
-        reply: dict = {"status": "ok", "instance_id": table.instance_id}
+        reply: dict[str, Any] = {"status": "ok", "instance_id": table.instance_id}
         if load_tokens is not None:  # what a decode weighs before prefilling a request itself
             reply["load_tokens"] = load_tokens()
         gone = table.gone_ranks()

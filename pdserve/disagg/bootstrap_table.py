@@ -12,19 +12,20 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, TypeVar, cast
 
 from ..core.config import Role
 from ..core.envs import Envs
 from ..core.errors import BadRequest, Unavailable
 from ..core.pd_vocab import FOLLOW, check_rank, check_room
+from ..transfer.base import Endpoint
 from .dp_rules import effective_method
 
 T = TypeVar("T")
 _NO_DEFAULT: Any = object()
 
 
-def _field(d: dict, key: str, kind: type[T], default: T = _NO_DEFAULT) -> T:
+def _field(d: dict[str, Any], key: str, kind: type[T], default: T = _NO_DEFAULT) -> T:
     """d[key] if it has type `kind` (bool is not an int here), else BadRequest naming the field."""
     if d.get(key) is None:
         if default is _NO_DEFAULT:
@@ -47,8 +48,8 @@ class RankInfo:
     page_size: int
     kv_cache_dtype: str
     load_balance_method: str
-    fingerprint: dict = field(default_factory=dict)  # architecture, layers, KV heads, head dim
-    endpoint: dict = field(default_factory=dict)  # the transfer backend's descriptor
+    fingerprint: dict[str, Any] = field(default_factory=dict)  # architecture, layers, KV heads, head dim
+    endpoint: Endpoint = field(default_factory=dict)  # the transfer backend's descriptor
     transfer_backend: str = "tcp"
 
     @classmethod
@@ -82,10 +83,10 @@ class RankInfo:
             transfer_backend=_field(d, "transfer_backend", str, "tcp"),
         )
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
-    def peer(self) -> dict:
+    def peer(self) -> dict[str, Any]:
         """This rank's transfer endpoint descriptor (registrations without one name ip and port)."""
         return self.endpoint or {"backend": self.transfer_backend, "ip": self.rank_ip, "port": self.rank_port}
 
@@ -99,7 +100,7 @@ class Topology:
     kv_cache_dtype: str
     follow_bootstrap_room: bool
     force_query_dp_rank: bool
-    fingerprint: dict
+    fingerprint: dict[str, Any]
     instance_id: str
     load_balance_method: str = FOLLOW
     transfer_backend: str = "tcp"
@@ -122,7 +123,7 @@ class Topology:
             forwards_kv_requests=_field(d, "forwards_kv_requests", bool, False),
         )
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -277,7 +278,7 @@ class BootstrapTable:
     def rank(self, k: int) -> RankInfo:
         with self._lock:
             self._require_ready()
-            check_rank(k, self.dp_size, "prefill_dp_rank")
+            check_rank(k, cast(int, self.dp_size), "prefill_dp_rank")
             if k in self._gone:
                 raise Unavailable(f"prefill dp_rank {k} is gone: {self._gone[k]}")
             return self._ranks[k]

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
+from ..transfer.base import Endpoint
 from . import wire
 from .handoff import HandoffDone
 from .machine_events import Event
@@ -146,7 +147,7 @@ class SendAbort:
     """Best effort, no answer expected here: the prefill answers on the wire."""
 
     room: int
-    peer: dict
+    peer: Endpoint
     msg: wire.KvAbort
 
 

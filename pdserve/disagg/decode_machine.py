@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 
@@ -26,24 +27,46 @@ from ..core.failures import FailureCause
 from ..core.timeline import Stage, transfer_stages
 from . import wire
 from .decode_admission import Admission, HandoffQueue
-from .decode_events import (Abort, CancelResolve, DecodeAccept, DecodeEffect, DecodeReport, FromPrefill, GiveUp,
-                            Invalidate, KvReqSent, Log, Malformed, PagesReserved, PeerAlive, PeerGone,
-                            RankResolved, Release, Resolve, SendAbort, SendKvReq)
+from .decode_events import (
+    Abort,
+    CancelResolve,
+    DecodeAccept,
+    DecodeEffect,
+    DecodeReport,
+    FromPrefill,
+    GiveUp,
+    Invalidate,
+    KvReqSent,
+    Log,
+    Malformed,
+    PagesReserved,
+    PeerAlive,
+    PeerGone,
+    RankResolved,
+    Release,
+    Resolve,
+    SendAbort,
+    SendKvReq,
+)
 from .decode_messages import kv_abort, kv_req, room_report
 from .decode_rooms import DecodeRoom, DecodeState
 from .handoff import HandoffDone
+from .local_facts import LocalFacts
 from .machine_events import HandoffMachine, Tick
+
+if TYPE_CHECKING:
+    from .resolution import Resolved
 
 D = DecodeState
 
 
 class DecodeHandoffs(HandoffMachine[DecodeEffect]):
-    """Every handoff of one decode DP worker. `local`: backend, endpoint, layout, page_size,
-    kv_dtype, fingerprint of this worker."""
+    """Every handoff of one decode DP worker. `local`: what this worker is (its
+    backend, endpoint, layout, page size, KV dtype, model fingerprint)."""
 
     SIDE = "decode"
 
-    def __init__(self, dp_rank: int, local: dict, *, waiting_timeout: float, abort_grace: float = 5.0,
+    def __init__(self, dp_rank: int, local: LocalFacts, *, waiting_timeout: float, abort_grace: float = 5.0,
                  quarantine: float = 360.0, queue: HandoffQueue | None = None):
         self.dp_rank = dp_rank
         self.local = local
@@ -72,21 +95,21 @@ class DecodeHandoffs(HandoffMachine[DecodeEffect]):
         return sum(1 for r in self.rooms.values() if r.state is D.QUARANTINED)
 
     # ---- events ---------------------------------------------------------------------------
-    def _accept(self, ev: DecodeAccept, out: list) -> None:
+    def _accept(self, ev: DecodeAccept, out: list[DecodeEffect]) -> None:
         r = self.rooms[ev.room] = DecodeRoom(ev.room, ev.rid, ev.addr, ev.prompt_len,
                                              entered={D.RESOLVING: ev.now})
         if self.admission.full():
             return self._refuse(r, "queue_full", ev.now, out)
         out.append(Resolve(ev.addr, ev.room, ev.hint))
 
-    def _resolved(self, ev: RankResolved, out: list) -> None:
+    def _resolved(self, ev: RankResolved, out: list[DecodeEffect]) -> None:
         res = ev.result
         r = self.rooms.get(res.room)
         if r is None or r.state is not D.RESOLVING:
             return
         if res.error is not None:
             return self._fail(r, res.error, res.cause, ev.now, out, tell_prefill=False)
-        ours = self.local["backend"]
+        ours = self.local.backend
         theirs = res.info.transfer_backend if res.info is not None else ours
         if theirs != ours:
             reason = (f"room {r.room}: prefill {r.addr} dp_rank {res.rank} uses transfer backend "
@@ -101,7 +124,7 @@ class DecodeHandoffs(HandoffMachine[DecodeEffect]):
         r.stages[Stage.RANK_RESOLUTION.value] = res.resolved_at
         r.move(D.RESERVING, ev.now)
 
-    def _reserved(self, ev: PagesReserved, out: list) -> None:
+    def _reserved(self, ev: PagesReserved, out: list[DecodeEffect]) -> None:
         r = self.rooms.get(ev.room)
         if r is None or r.state is not D.RESERVING:
             return
@@ -112,7 +135,7 @@ class DecodeHandoffs(HandoffMachine[DecodeEffect]):
             r.reservation = ev.got
             r.stages[Stage.PREALLOCATION.value] = ev.wall
             r.move(D.SENDING, ev.now)
-            out.append(SendKvReq(r.room, r.resolved, kv_req(r, self.dp_rank, self.local)))
+            out.append(SendKvReq(r.room, cast("Resolved", r.resolved), kv_req(r, self.dp_rank, self.local)))
         else:  # no pages: it waits, and so does every room behind it, this round
             for q in [r, *self.admission.stop_round()]:
                 why = self.admission.verdict(q, ev.now) if q.state is D.RESERVING else None
@@ -123,7 +146,7 @@ class DecodeHandoffs(HandoffMachine[DecodeEffect]):
         self._tick_room(r, ev.now, out)  # the rest of this room's tick
         self._ask_next(out)  # it no longer holds the queue up
 
-    def _sent(self, ev: KvReqSent, out: list) -> None:
+    def _sent(self, ev: KvReqSent, out: list[DecodeEffect]) -> None:
         r = self.rooms.get(ev.room)
         if r is None:
             return
@@ -138,7 +161,7 @@ class DecodeHandoffs(HandoffMachine[DecodeEffect]):
         elif r.state is D.SENDING:
             r.move(D.WAITING, ev.now)
 
-    def _received(self, ev: FromPrefill, out: list) -> None:
+    def _received(self, ev: FromPrefill, out: list[DecodeEffect]) -> None:
         msg = ev.msg
         r = self.rooms.get(msg.room)
         if r is None:
@@ -168,8 +191,8 @@ class DecodeHandoffs(HandoffMachine[DecodeEffect]):
                 r.move(D.WAITING, ev.now)
             r.move(D.DONE, ev.now)
 
-    def _malformed(self, ev: Malformed, out: list) -> None:
-        r = self.rooms.get(ev.room)  # type: ignore[arg-type]
+    def _malformed(self, ev: Malformed, out: list[DecodeEffect]) -> None:
+        r = self.rooms.get(ev.room)
         if r is None:
             return
         if r.state.live and ev.kind == wire.KV_DONE:
@@ -178,13 +201,13 @@ class DecodeHandoffs(HandoffMachine[DecodeEffect]):
         else:
             out.append(Log(logging.WARNING, f"decode dp_rank {self.dp_rank}: {ev.error}; ignored", r.room))
 
-    def _gone(self, ev: PeerGone, out: list) -> None:
+    def _gone(self, ev: PeerGone, out: list[DecodeEffect]) -> None:
         """Missed heartbeats (no `ranks`) do not prove the prefill stopped: a room it may write
         is failed but quarantined. Gone ranks do: their workers died, as their front tells."""
         ended = ev.ranks is not None
         for r in list(self.rooms.values()):
             res = r.resolved
-            if r.addr != ev.addr or (ended and (res is None or res.rank not in ev.ranks)):
+            if r.addr != ev.addr or (ev.ranks is not None and (res is None or res.rank not in ev.ranks)):
                 continue
             if r.state.holding:
                 if ended:  # no process that had our kv_req is left
@@ -198,7 +221,7 @@ class DecodeHandoffs(HandoffMachine[DecodeEffect]):
                 self._fail(r, f"room {r.room}{where}: {ev.reason}", FailureCause.PEER_GONE, ev.now, out,
                            tell_prefill=False, hold=not ended)
 
-    def _alive(self, ev: PeerAlive, out: list) -> None:
+    def _alive(self, ev: PeerAlive, out: list[DecodeEffect]) -> None:
         """Rooms resolved against another instance of that prefill are lost (it restarted);
         rooms still resolving are left to their resolution, which sees the new instance. The
         same instance answering again asks it about each quarantined room (KvAbort)."""
@@ -218,12 +241,12 @@ class DecodeHandoffs(HandoffMachine[DecodeEffect]):
                 if res.info is not None:  # its answer ends the quarantine
                     out.append(self._send_abort(r))
 
-    def _abort(self, ev: Abort, out: list) -> None:
+    def _abort(self, ev: Abort, out: list[DecodeEffect]) -> None:
         r = self.rooms.get(ev.room)
         if r is not None and r.state.live:
             self._fail(r, ev.reason, FailureCause.ABORTED, ev.now, out)
 
-    def _tick(self, ev: Tick, out: list) -> None:
+    def _tick(self, ev: Tick, out: list[DecodeEffect]) -> None:
         out.extend(self.admission.due(ev.now))
         reserving = []
         for r in list(self.rooms.values()):
@@ -234,13 +257,13 @@ class DecodeHandoffs(HandoffMachine[DecodeEffect]):
         self.admission.start_round(reserving)
         self._ask_next(out)
 
-    def _ask_next(self, out: list) -> None:
+    def _ask_next(self, out: list[DecodeEffect]) -> None:
         """Ask for pages for the next room of this tick's admission round, if any is left."""
         ask = self.admission.ask_next()
         if ask is not None:
             out.append(ask)
 
-    def _refuse(self, r: DecodeRoom, why: str, now: float, out: list) -> None:
+    def _refuse(self, r: DecodeRoom, why: str, now: float, out: list[DecodeEffect]) -> None:
         """Admission turns `r` away (back-pressure, not an error of the room). It holds no pages,
         so it is reported at once; its prefill is told later (Admission.tell_later): kv_abort,
         or /fail_room before a resolution."""
@@ -253,7 +276,7 @@ class DecodeHandoffs(HandoffMachine[DecodeEffect]):
         self.admission.tell_later(now, tell)
 
     # ---- helpers --------------------------------------------------------------------------
-    def _tick_room(self, r: DecodeRoom, now: float, out: list) -> None:
+    def _tick_room(self, r: DecodeRoom, now: float, out: list[DecodeEffect]) -> None:
         """Deadline of a live room, abort grace of an aborting one, report of a finished one."""
         if r.state.live:
             phase = r.state.phase
@@ -283,7 +306,7 @@ class DecodeHandoffs(HandoffMachine[DecodeEffect]):
             del self.rooms[r.room]
             out.append(Release(r.room, r.rid, r.addr) if r.reported else DecodeReport(self._report(r), r.addr))
 
-    def _fail(self, r: DecodeRoom, reason: str, cause: FailureCause, now: float, out: list,
+    def _fail(self, r: DecodeRoom, reason: str, cause: FailureCause, now: float, out: list[DecodeEffect],
               tell_prefill: bool = True, hold: bool = False) -> None:
         """Fail a live room. `tell_prefill`: kv_abort to its rank when we have one (ABORTING while
         we hold pages a write may reach), else /fail_room at the bootstrap service. `hold`: the

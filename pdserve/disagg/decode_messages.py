@@ -4,16 +4,18 @@ each part took, pages reused and moved, the transfer's rate, admission)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from . import wire
 from .decode_events import SendAbort
 from .decode_rooms import DecodeRoom, DecodeState
 from .handoff import HandoffDone, HandoffState
+from .local_facts import LocalFacts
 
 D, H = DecodeState, HandoffState
-KV_REQ_LOCAL = ("layout", "endpoint", "page_size", "kv_dtype", "fingerprint", "backend")  # from `local`
 
 
-def kv_req(r: DecodeRoom, dp_rank: int, local: dict) -> wire.KvReq:
+def kv_req(r: DecodeRoom, dp_rank: int, local: LocalFacts) -> wire.KvReq:
     """The request for `r`'s KV to its resolved prefill rank: where to write (the pages it
     reserved, less those it reuses) and what this decode is (`local`)."""
     res, got = r.resolved, r.reservation
@@ -21,14 +23,14 @@ def kv_req(r: DecodeRoom, dp_rank: int, local: dict) -> wire.KvReq:
     return wire.KvReq(room=r.room, dst_pages=got.pages[got.reused_pages:], prompt_len=r.prompt_len,
                       decode_rank=dp_rank, prefill_rank=res.rank, prefill_instance=res.instance_id,
                       reused_pages=got.reused_pages, reused_key=got.reused_key,
-                      **{k: local[k] for k in KV_REQ_LOCAL})
+                      **local.kv_req_fields())
 
 
-def kv_abort(r: DecodeRoom, dp_rank: int, local: dict) -> SendAbort:
+def kv_abort(r: DecodeRoom, dp_rank: int, local: LocalFacts) -> SendAbort:
     """Tell `r`'s prefill rank the room is off, with the reason it failed."""
     assert r.resolved is not None and r.resolved.info is not None
     return SendAbort(r.room, r.resolved.info.peer(), wire.KvAbort(
-        room=r.room, reason=r.reason, decode_rank=dp_rank, endpoint=local["endpoint"]))
+        room=r.room, reason=r.reason, decode_rank=dp_rank, endpoint=local.endpoint))
 
 
 def room_report(r: DecodeRoom, dp_rank: int, retry_after: int) -> HandoffDone:
@@ -37,10 +39,10 @@ def room_report(r: DecodeRoom, dp_rank: int, retry_after: int) -> HandoffDone:
                        dict(r.stages))
 
 
-def room_meta(r: DecodeRoom, dp_rank: int, retry_after: int) -> dict:
+def room_meta(r: DecodeRoom, dp_rank: int, retry_after: int) -> dict[str, Any]:
     """The meta_info of `r`; `retry_after` is what a refused room tells its client."""
     h = r.handoff
-    d: dict = {"bootstrap_room": r.room, "decode_dp_rank": dp_rank}
+    d: dict[str, Any] = {"bootstrap_room": r.room, "decode_dp_rank": dp_rank}
     if r.state in (D.FAILED, D.QUARANTINED):
         d["failure_cause"] = r.cause.value
     if r.refused:

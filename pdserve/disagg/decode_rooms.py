@@ -6,13 +6,13 @@ else raises IllegalTransition) and `room.handoff` is its reporting view (Handoff
 each was first entered). The rest of a room is data the events brought: the Resolved, the
 Reservation, the KvDone's facts, the failure reason and cause, state times and stages.
 
-  state \\ event resolved     pages      sent ok sent err  KvDone       KvFail bad done unheard     ended  Abort/deadline
-  RESOLVING      RESERVING[1] -          -       -         (ignored)    FAILED FAILED   FAILED      FAILED FAILED+GiveUp
-  RESERVING      .            SENDING[4] -       -         (ignored)    FAILED FAILED   FAILED      FAILED FAILED+KvAbort[3]
-  SENDING        .            -          WAITING FAILED[2] WAITING,DONE FAILED FAILED   QUARANTINED FAILED ABORTING+KvAbort
-  WAITING        .            -          .       FAILED[2] DONE         FAILED FAILED   QUARANTINED FAILED ABORTING+KvAbort
-  ABORTING       .            -          .       FAILED    FAILED       FAILED .        QUARANTINED FAILED .[6]
-  QUARANTINED    .            -          .       FAILED    FAILED       FAILED .        .[5]        FAILED .[6]
+state\\event resolved     pages      sent ok sent err  KvDone       KvFail bad done unheard     ended  Abort/deadline
+RESOLVING    RESERVING[1] -          -       -         (ignored)    FAILED FAILED   FAILED      FAILED FAILED+GiveUp
+RESERVING    .            SENDING[4] -       -         (ignored)    FAILED FAILED   FAILED      FAILED FAILED+KvAbort[3]
+SENDING      .            -          WAITING FAILED[2] WAITING,DONE FAILED FAILED   QUARANTINED FAILED ABORTING+KvAbort
+WAITING      .            -          .       FAILED[2] DONE         FAILED FAILED   QUARANTINED FAILED ABORTING+KvAbort
+ABORTING     .            -          .       FAILED    FAILED       FAILED .        QUARANTINED FAILED .[6]
+QUARANTINED  .            -          .       FAILED    FAILED       FAILED .        .[5]        FAILED .[6]
   DONE, FAILED: the next Tick reports and forgets them (DecodeReport); a FAILED room that was
   reported while QUARANTINED is forgotten with a Release instead.
 "." is no move, "-" cannot happen (ignored). "unheard": a PeerGone of the room's address (its
@@ -55,8 +55,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..core.failures import FailureCause
+from ..transfer.base import Endpoint
 from .decode_events import Reservation
 from .handoff import Handoff, HandoffState, IllegalTransition, Side
 from .resolution import Resolved
@@ -124,7 +126,7 @@ class DecodeRoom:
     entered: dict[DecodeState, float] = field(default_factory=dict)  # state -> monotonic time
     resolved: Resolved | None = None  # from RESERVING on (a KvMoved re-points it at the holder)
     reservation: Reservation | None = None  # from SENDING on
-    aux: dict | None = None  # the kv_done's facts (DONE)
+    aux: dict[str, Any] | None = None  # the kv_done's facts (DONE)
     reason: str = ""  # why it failed (ABORTING, FAILED)
     cause: FailureCause = FailureCause.INTERNAL
     stages: dict[str, float] = field(default_factory=dict)  # Stage value -> time.time()
@@ -153,7 +155,7 @@ class DecodeRoom:
         self.state = to
         self.entered[to] = now
 
-    def point_at(self, rank: int, endpoint: dict) -> None:
+    def point_at(self, rank: int, endpoint: Endpoint) -> None:
         """The rank this room resolved to forwarded our KvReq to `rank` (KvMoved), which holds
         the room: later aborts go to that rank's `endpoint`. No-op before a resolution."""
         res = self.resolved

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 
 class HandoffState(str, enum.Enum):
@@ -129,7 +129,7 @@ class HandoffDone:
     rid: str
     ok: bool
     reason: str
-    aux: dict | None
-    meta: dict
+    aux: dict[str, Any] | None
+    meta: dict[str, Any]
     stages: dict[str, float] = field(default_factory=dict)
     dropped: bool = False  # prefill: the decode prefilled the room itself (not a failure)

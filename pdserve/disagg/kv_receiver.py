@@ -35,18 +35,33 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from ..core.errors import PDServeError
-from ..transfer.base import TransferBackend, TransferError
+from ..transfer.base import Endpoint, TransferBackend, TransferError
 from . import wire
 from .decode_admission import HandoffQueue
-from .decode_events import (Abort, DecodeAccept, DecodeEffect, DecodeReport, FromPrefill, KvReqSent, Log,
-                            Malformed, PagesReserved, Release, Reservation, Reserve, SendAbort, SendKvReq)
+from .decode_events import (
+    Abort,
+    DecodeAccept,
+    DecodeEffect,
+    DecodeReport,
+    FromPrefill,
+    KvReqSent,
+    Log,
+    Malformed,
+    PagesReserved,
+    Release,
+    Reservation,
+    Reserve,
+    SendAbort,
+    SendKvReq,
+)
 from .decode_machine import DecodeHandoffs
 from .decode_rooms import DecodeRoom, DecodeState
 from .handoff import HandoffDone
 from .link_api import LINK_EFFECTS, Inbox, PeerLink
+from .local_facts import LocalFacts
 from .machine_events import Event, Tick
 from .resolution import Resolved
 
@@ -71,7 +86,7 @@ class DecodeReceiver:
     answers pages (a Reservation, or a list of pages), None while they do not fit, or raises
     PDServeError for a prompt that never will; `wake` makes the worker loop turn (any thread)."""
 
-    def __init__(self, backend: TransferBackend, dp_rank: int, local: dict, *, link: PeerLink,
+    def __init__(self, backend: TransferBackend, dp_rank: int, local: LocalFacts, *, link: PeerLink,
                  reserve: Callable[[str, int], Reservation | list[int] | None],
                  wake: Callable[[], None] = lambda: None, limits: ReceiverLimits = ReceiverLimits()):
         self.backend = backend
@@ -114,7 +129,7 @@ class DecodeReceiver:
         self.link.watch(addr)  # until the room's pages are free: unwatched at its report or release
         self._step(DecodeAccept(room, rid, addr, prompt_len, hint, now=time.monotonic()))
 
-    def on_message(self, sender: dict, raw: dict) -> None:
+    def on_message(self, sender: Endpoint, raw: dict[str, Any]) -> None:
         if not isinstance(raw, dict) or raw.get("room") not in self.rooms:
             return
         now = time.monotonic()
@@ -183,14 +198,14 @@ class DecodeReceiver:
             got = Reservation(got)
         return PagesReserved(e.room, got=got, now=now, wall=time.time())
 
-    def _submit(self, fn: Callable, *args) -> None:
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
         try:
             self.pool.submit(fn, *args)
         except RuntimeError:  # closed
             pass
 
     @staticmethod
-    def _peer(res: Resolved) -> dict:
+    def _peer(res: Resolved) -> dict[str, Any]:
         """The prefill rank's transfer endpoint descriptor."""
         assert res.info is not None
         return res.info.peer()
@@ -208,7 +223,7 @@ class DecodeReceiver:
             err = f"room {room}: sending metadata to prefill {res.addr} dp_rank {res.rank} failed: {e}"
         self.inbox.post(KvReqSent(room, sent_at, err))
 
-    def _quiet_send(self, peer: dict, msg: dict) -> None:
+    def _quiet_send(self, peer: Endpoint, msg: dict[str, Any]) -> None:
         try:
             self.backend.send(peer, msg)
         except (TransferError, OSError) as e:
@@ -241,7 +256,7 @@ class DecodeReceiver:
         return dict(Counter(r.state.value if r.state is DecodeState.QUARANTINED else r.state.phase.value
                             for r in self.rooms.values()))
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """What server_info shows of the handoffs (a decode worker's stats)."""
         m = self.machine
         return {"preallocated_requests": self.preallocated(), "handoff_states": self.states(),

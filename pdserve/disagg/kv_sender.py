@@ -21,17 +21,32 @@ import queue
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
 
 import msgspec
 
 from ..core.failures import FailureCause
 from ..core.log_format import fields
-from ..transfer.base import TransferBackend, TransferError, peer_name
+from ..transfer.base import Endpoint, TransferBackend, TransferError, peer_name
 from . import wire
 from .handoff import HandoffDone
+from .local_facts import LocalFacts
 from .machine_events import Event, Tick
-from .prefill_events import (Drop, Fail, FromDecode, MarkFailed, PrefillAccept, PrefillDone, PrefillEffect,
-                             PrefillReport, RoomRouted, Send, StartWrite, WriteFacts, WriteReturned)
+from .prefill_events import (
+    Drop,
+    Fail,
+    FromDecode,
+    MarkFailed,
+    PrefillAccept,
+    PrefillDone,
+    PrefillEffect,
+    PrefillReport,
+    RoomRouted,
+    Send,
+    StartWrite,
+    WriteFacts,
+    WriteReturned,
+)
 from .prefill_machine import PrefillHandoffs
 from .prefill_notes import Doomed, Dropped, Early, Forwarded, Route
 from .prefill_rooms import PrefillRoom
@@ -40,16 +55,16 @@ log = logging.getLogger(__name__)
 
 
 class PrefillSender:
-    def __init__(self, backend: TransferBackend, dp_rank: int, local: dict, *,
+    def __init__(self, backend: TransferBackend, dp_rank: int, local: LocalFacts, *,
                  bootstrap_timeout: float, failed_ttl: float = 600.0, threads: int = 2,
-                 wake=lambda: None, instance_id: str = ""):
+                 wake: Callable[[], None] = lambda: None, instance_id: str = "") -> None:
         self.backend = backend
         self.dp_rank = dp_rank
         self.local = local  # page_size, kv_dtype, fingerprint, backend
         self.machine = PrefillHandoffs(dp_rank, local, bootstrap_timeout=bootstrap_timeout,
                                        failed_ttl=failed_ttl, instance_id=instance_id)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kv-send-{dp_rank}")
-        self.jobs: queue.Queue = queue.Queue()  # (room, error or None, WriteFacts or None)
+        self.jobs: queue.Queue[tuple[Any, ...]] = queue.Queue()  # (room, error or None, WriteFacts or None)
         self.done: list[HandoffDone] = []
         self.wake = wake  # called from job threads so the loop polls at once
 
@@ -106,7 +121,7 @@ class PrefillSender:
         `prompt_ids` lets a decode reuse a prefix it holds (its key is checked against them)."""
         self._step(PrefillAccept(room, rid, prompt_len, prompt_ids, **_stamp()))
 
-    def prefill_done(self, room: int, pages: list[int], aux: dict) -> None:
+    def prefill_done(self, room: int, pages: list[int], aux: dict[str, Any]) -> None:
         self._step(PrefillDone(room, pages, aux, **_stamp()))
 
     def fail(self, room: int, reason: str, cause: FailureCause = FailureCause.ABORTED) -> None:
@@ -123,11 +138,11 @@ class PrefillSender:
         it is in progress, and a kv_req for it (queued or later) is answered with `reason`."""
         self._step(MarkFailed(room, reason, **_stamp()))
 
-    def room_routed(self, room: int, rank: int, endpoint: dict) -> None:
+    def room_routed(self, room: int, rank: int, endpoint: Endpoint) -> None:
         """The front sent `room` (homed here) to `rank`: a KvReq for it here goes on there."""
         self._step(RoomRouted(room, rank, endpoint, **_stamp()))
 
-    def on_message(self, sender: dict, raw: dict) -> None:
+    def on_message(self, sender: Endpoint, raw: dict[str, Any]) -> None:
         try:
             msg = wire.from_wire(raw)
         except wire.BadMessage as e:

@@ -29,7 +29,7 @@ class Tick(Event):
 
 
 # (machine, event, effects out): a handler appends the step's effects to the list it is given
-Handler = Callable[[Any, Any, list], None]
+Handler = Callable[[Any, Any, list[Any]], None]
 
 
 class HandoffMachine(Generic[Effect]):

@@ -8,16 +8,17 @@ from __future__ import annotations
 from ..core.failures import FailureCause
 from ..core.page_keys import prefix_key
 from . import wire
+from .local_facts import LocalFacts, compat_problem
 from .prefill_notes import Doomed
 from .prefill_rooms import PrefillRoom
 
 
-def kv_req_problem(msg: wire.KvReq, local: dict, dp_rank: int, instance_id: str,
+def kv_req_problem(msg: wire.KvReq, local: LocalFacts, dp_rank: int, instance_id: str,
                    doomed: dict[int, Doomed]) -> tuple[str | None, FailureCause]:
     """Why this rank cannot take `msg` at all, and the failure's cause; (None, INTERNAL) if it can.
     `instance_id` "" skips the instance check."""
     room = msg.room
-    problem = wire.compat_problem(local, msg)
+    problem = compat_problem(local, msg)
     if problem is not None:
         return (f"room {room}: decode dp_rank {msg.decode_rank} cannot use prefill dp_rank "
                 f"{dp_rank}: {problem}"), FailureCause.INCOMPATIBLE

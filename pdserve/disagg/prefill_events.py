@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union, cast
 
 import msgspec
 
 from ..core.failures import FailureCause
+from ..transfer.base import Endpoint
 from . import wire
 from .handoff import HandoffDone
 from .machine_events import Event
@@ -40,14 +41,14 @@ class PrefillAccept(Event):
 class PrefillDone(Event):
     room: int
     pages: list[int]
-    aux: dict  # the KvDone facts (prefill_messages.DONE_FIELDS): first token, logprobs, prompt_len, ...
+    aux: dict[str, Any]  # the KvDone facts (prefill_messages.DONE_FIELDS): first token, logprobs, prompt_len, ...
 
 
 @dataclass(frozen=True)
 class FromDecode(Event):
     """A typed control message from a decode worker (KvReq or KvAbort) and who sent it."""
 
-    sender: dict
+    sender: Endpoint
     msg: wire.Message
 
 
@@ -74,7 +75,7 @@ class Drop(Event):
 class RoomRouted(Event):
     room: int
     rank: int
-    endpoint: dict
+    endpoint: Endpoint
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ class WriteFacts:
     finished_at: float | None = None
     writes: int = 0
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
@@ -106,7 +107,7 @@ class Send:
     """Send `msg` to `peer`; then `on_sent` if it went out, else `on_error` (a KvFail whose reason
     gets ": <the error>" appended, see `failed`). A failed send without `on_error` is only logged."""
 
-    peer: dict
+    peer: Endpoint
     msg: wire.Message
     on_sent: Send | None = None
     on_error: Send | None = None
@@ -115,7 +116,7 @@ class Send:
         """What to send instead, now that `msg` could not be sent because of `error`."""
         if self.on_error is None:
             return None
-        m = self.on_error.msg
+        m = cast(Union[wire.KvFail, wire.KvAbort], self.on_error.msg)
         return dataclasses.replace(self.on_error, msg=msgspec.structs.replace(m, reason=f"{m.reason}: {error}"))
 
 
@@ -125,8 +126,8 @@ class StartWrite:
     (bytes, timings) filled in; whatever happens, come back as one WriteReturned."""
 
     room: int
-    peer: dict
-    layout: dict
+    peer: Endpoint
+    layout: dict[str, Any]
     src_pages: list[int]
     dst_pages: list[int]
     done: wire.KvDone

@@ -20,9 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-from ..core.config import ServerConfig
-from ..core.envs import Envs
 from ..core.errors import PDServeError
+from ..core.pd_settings import PDSettings
 from .bootstrap_client import BootstrapClient
 from .decode_events import CancelResolve, GiveUp, Invalidate, RankResolved, Resolve
 from .heartbeat import Heartbeat
@@ -49,12 +48,11 @@ class LinkSettings:
     notice_threads: int = 2
 
     @classmethod
-    def of(cls, cfg: ServerConfig, envs: Envs) -> "LinkSettings":
-        """A decode worker's settings: flags first, then the environment."""
-        return cls(topology_timeout=envs.topology_timeout, query_timeout=envs.dp_rank_query_timeout,
-                   heartbeat_interval=envs.heartbeat_interval, heartbeat_max_failures=envs.heartbeat_max_failure,
-                   decode_force=cfg.force_query_prefill_dp_rank or envs.force_query_prefill_dp_rank,
-                   bootstrap_token=cfg.bootstrap_token or envs.bootstrap_token)
+    def of(cls, pd: PDSettings) -> LinkSettings:
+        """A decode worker's settings, from its server's."""
+        return cls(topology_timeout=pd.topology_timeout, query_timeout=pd.query_timeout,
+                   heartbeat_interval=pd.heartbeat_interval, heartbeat_max_failures=pd.heartbeat_max_failures,
+                   decode_force=pd.force_query, bootstrap_token=pd.bootstrap_token)
 
 
 class PrefillLink(PeerLink):

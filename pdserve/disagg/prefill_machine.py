@@ -15,32 +15,47 @@ fails at once. Tick applies the bootstrap deadline, reports finished rooms and e
 
 from __future__ import annotations
 
+from typing import cast
+
 import msgspec
 
 from ..core.failures import FailureCause, rejection_cause
 from ..core.timeline import Stage
-from ..transfer.base import peer_name
+from ..transfer.base import Endpoint, peer_name
 from . import wire
 from .handoff import HandoffDone, HandoffState, IllegalTransition
+from .local_facts import LocalFacts
 from .machine_events import Event, HandoffMachine, Tick
 from .prefill_checks import kv_req_problem, prompt_problem
-from .prefill_events import (Drop, Fail, FromDecode, MarkFailed, PrefillAccept, PrefillDone, PrefillEffect,
-                             PrefillReport, RoomRouted, Send, StartWrite, WriteReturned)
+from .prefill_events import (
+    Drop,
+    Fail,
+    FromDecode,
+    MarkFailed,
+    PrefillAccept,
+    PrefillDone,
+    PrefillEffect,
+    PrefillReport,
+    RoomRouted,
+    Send,
+    StartWrite,
+    WriteReturned,
+)
 from .prefill_messages import kv_done, kv_fail, room_report
-from .prefill_notes import Doomed, Dropped, Early, Forwarded, Route, RoomNotes
+from .prefill_notes import Doomed, Dropped, Early, Forwarded, RoomNotes, Route
 from .prefill_rooms import PrefillRoom, RoomState
 
 H, R = HandoffState, RoomState
 
 
 class PrefillHandoffs(HandoffMachine[PrefillEffect]):
-    """Every room of one prefill DP rank. `local` holds page_size, kv_dtype, fingerprint and
-    backend (what a KvReq must agree with); `instance_id` is this server's bootstrap instance
+    """Every room of one prefill DP rank. `local` is what this rank is (a KvReq must agree
+    with its backend, page size, KV dtype and fingerprint); `instance_id` is this server's bootstrap instance
     ("" = not checked)."""
 
     SIDE = "prefill"
 
-    def __init__(self, dp_rank: int, local: dict, *, bootstrap_timeout: float, failed_ttl: float = 600.0,
+    def __init__(self, dp_rank: int, local: LocalFacts, *, bootstrap_timeout: float, failed_ttl: float = 600.0,
                  instance_id: str = ""):
         self.dp_rank = dp_rank
         self.local = local
@@ -51,8 +66,8 @@ class PrefillHandoffs(HandoffMachine[PrefillEffect]):
         self.notes = RoomNotes()
 
     # ---- a room's failure and its write ---------------------------------------------------------
-    def _fail(self, r: PrefillRoom, reason: str, cause: FailureCause, now: float, out: list,
-              peer: dict | None = None) -> None:
+    def _fail(self, r: PrefillRoom, reason: str, cause: FailureCause, now: float, out: list[PrefillEffect],
+              peer: Endpoint | None = None) -> None:
         """Fail a live room (a failed one keeps its first reason, a succeeded one raises); `peer`
         is the decode's endpoint if it just spoke. A write that is out keeps the pages, and the
         decode waits for it."""
@@ -71,13 +86,13 @@ class PrefillHandoffs(HandoffMachine[PrefillEffect]):
     def _drop(self, r: PrefillRoom, reason: str, now: float) -> None:
         r.move(R.DROPPED_UNHEARD, now, f"room {r.room}: dropped: {reason}", FailureCause.ABORTED)
 
-    def _tell_failed(self, r: PrefillRoom, out: list) -> None:
-        out.append(Send(r.peer, kv_fail(r.room, self.dp_rank, r.reason, r.cause)))
+    def _tell_failed(self, r: PrefillRoom, out: list[PrefillEffect]) -> None:
+        out.append(Send(cast(Endpoint, r.peer), kv_fail(r.room, self.dp_rank, r.reason, r.cause)))
 
-    def _attach(self, r: PrefillRoom, req: wire.KvReq, ev: Event, out: list) -> None:
+    def _attach(self, r: PrefillRoom, req: wire.KvReq, ev: Event, out: list[PrefillEffect]) -> None:
         """The decode's KvReq meets its room: checked against the prompt, then the write starts
         if the prefill is done, else the room waits for it."""
-        reason = prompt_problem(r, req, self.local["page_size"])
+        reason = prompt_problem(r, req, self.local.page_size)
         if reason is not None:
             return self._fail(r, reason, FailureCause.INCOMPATIBLE, ev.now, out, peer=req.endpoint)
         r.peer, r.req = req.endpoint, req
@@ -87,33 +102,34 @@ class PrefillHandoffs(HandoffMachine[PrefillEffect]):
         else:
             r.move(R.WAITING_FOR_INPUT, ev.now)
 
-    def _start_write(self, r: PrefillRoom, now: float, out: list) -> None:
-        req = r.req
+    def _start_write(self, r: PrefillRoom, now: float, out: list[PrefillEffect]) -> None:
+        req = cast(wire.KvReq, r.req)
         try:
             done = kv_done(r, self.dp_rank)
         except TypeError as e:  # the engine's facts lack the first token: nothing to hand over
             return self._fail(r, self._write_failed(r, str(e)), FailureCause.TRANSFER, now, out)
         r.move(R.TRANSFERRING, now)
-        src = r.pages[req.reused_pages:][:len(req.dst_pages)]  # the decode holds the reused ones
-        out.append(StartWrite(r.room, r.peer, req.layout, src, list(req.dst_pages), done))
+        src = cast(list[int], r.pages)[req.reused_pages:][:len(req.dst_pages)]  # the decode holds the reused ones
+        out.append(StartWrite(r.room, cast(Endpoint, r.peer), req.layout, src, list(req.dst_pages), done))
 
     def _write_failed(self, r: PrefillRoom, error: str) -> str:
         return (f"room {r.room}: KV transfer from prefill dp_rank {self.dp_rank} to decode "
-                f"{peer_name(r.peer)} failed: {error}")
+                f"{peer_name(cast(Endpoint, r.peer))} failed: {error}")
 
     # ---- rooms with no request here ---------------------------------------------------------------
-    def _doom(self, room: int, reason: str, cause: FailureCause, now: float, out: list) -> None:
+    def _doom(self, room: int, reason: str, cause: FailureCause, now: float, out: list[PrefillEffect]) -> None:
         """Remember that `room` cannot succeed here; tell a decode whose KvReq is queued."""
         self.notes.doomed[room] = Doomed(reason, now, cause)
         if room in self.notes.early:
             self._refuse(self.notes.early.pop(room).peer, room, reason, cause, now, out)
 
-    def _refuse(self, peer: dict, room: int, reason: str, cause: FailureCause, now: float, out: list) -> None:
+    def _refuse(self, peer: Endpoint, room: int, reason: str, cause: FailureCause, now: float,
+                out: list[PrefillEffect]) -> None:
         """Doom a room that has no request here and answer its decode with KvFail."""
         self.notes.doomed[room] = Doomed(reason, now, cause)
         out.append(Send(peer, kv_fail(room, self.dp_rank, reason, cause)))
 
-    def _forward(self, req: wire.KvReq, route: Route, now: float, out: list) -> None:
+    def _forward(self, req: wire.KvReq, route: Route, now: float, out: list[PrefillEffect]) -> None:
         """Pass the decode's KvReq to the holder, then tell the decode where it went (KvMoved); if
         the holder cannot be reached the decode hears KvFail from here."""
         room = req.room
@@ -126,7 +142,7 @@ class PrefillHandoffs(HandoffMachine[PrefillEffect]):
             on_error=Send(req.endpoint, kv_fail(room, self.dp_rank, why, FailureCause.TRANSFER))))
 
     # ---- events -----------------------------------------------------------------------------------
-    def _on_accept(self, ev: PrefillAccept, out: list) -> None:
+    def _on_accept(self, ev: PrefillAccept, out: list[PrefillEffect]) -> None:
         room, notes = ev.room, self.notes
         if room in self.rooms:
             raise ValueError(f"room {room} is already in progress on prefill dp_rank {self.dp_rank}")
@@ -139,7 +155,7 @@ class PrefillHandoffs(HandoffMachine[PrefillEffect]):
         elif room in notes.early:
             self._attach(r, notes.early.pop(room).req, ev, out)
 
-    def _on_prefill_done(self, ev: PrefillDone, out: list) -> None:
+    def _on_prefill_done(self, ev: PrefillDone, out: list[PrefillEffect]) -> None:
         r = self.rooms.get(ev.room)
         if r is None:
             return
@@ -150,12 +166,12 @@ class PrefillHandoffs(HandoffMachine[PrefillEffect]):
         elif r.state is R.WAITING_FOR_INPUT:
             self._start_write(r, ev.now, out)
 
-    def _on_fail(self, ev: Fail, out: list) -> None:
+    def _on_fail(self, ev: Fail, out: list[PrefillEffect]) -> None:
         r = self.rooms.get(ev.room)
         if r is not None and r.state.live:
             self._fail(r, ev.reason, ev.cause, ev.now, out)
 
-    def _on_mark_failed(self, ev: MarkFailed, out: list) -> None:
+    def _on_mark_failed(self, ev: MarkFailed, out: list[PrefillEffect]) -> None:
         """The front failed the room (rejected it, or its decode gave it up): it ends here if in
         progress, and a KvReq for it (queued or later) is answered with the reason."""
         cause = rejection_cause(ev.reason)
@@ -164,7 +180,7 @@ class PrefillHandoffs(HandoffMachine[PrefillEffect]):
             self._fail(r, ev.reason, cause, ev.now, out)
         self._doom(ev.room, ev.reason, cause, ev.now, out)
 
-    def _on_drop(self, ev: Drop, out: list) -> None:
+    def _on_drop(self, ev: Drop, out: list[PrefillEffect]) -> None:
         """The room's decode prefilled it itself: end it with no transfer, now or when its request
         arrives. A room whose KvReq already came is being served and is left alone."""
         r = self.rooms.get(ev.room)
@@ -173,7 +189,7 @@ class PrefillHandoffs(HandoffMachine[PrefillEffect]):
         elif r.state in (R.BOOTSTRAPPING, R.PREFILLED):
             self._drop(r, ev.reason, ev.now)
 
-    def _on_room_routed(self, ev: RoomRouted, out: list) -> None:
+    def _on_room_routed(self, ev: RoomRouted, out: list[PrefillEffect]) -> None:
         """The front sent `room` (homed here) to `rank`: a KvReq for it here goes on there."""
         room, notes = ev.room, self.notes
         route = notes.routes[room] = Route(ev.rank, ev.endpoint, ev.now)
@@ -182,13 +198,13 @@ class PrefillHandoffs(HandoffMachine[PrefillEffect]):
         elif room in notes.doomed:  # its decode gave up here already: the holder must free it too
             out.append(Send(ev.endpoint, wire.KvAbort(room=room, reason=notes.doomed[room].reason)))
 
-    def _on_message(self, ev: FromDecode, out: list) -> None:
+    def _on_message(self, ev: FromDecode, out: list[PrefillEffect]) -> None:
         if isinstance(ev.msg, wire.KvReq):
             self._on_kv_req(ev.msg, ev, out)
         elif isinstance(ev.msg, wire.KvAbort):
             self._on_kv_abort(ev.msg, ev, out)
 
-    def _on_kv_req(self, msg: wire.KvReq, ev: FromDecode, out: list) -> None:
+    def _on_kv_req(self, msg: wire.KvReq, ev: FromDecode, out: list[PrefillEffect]) -> None:
         room, peer, notes = msg.room, msg.endpoint, self.notes
         r = self.rooms.get(room)
         if r is not None and r.state not in (R.BOOTSTRAPPING, R.PREFILLED):
@@ -211,7 +227,7 @@ class PrefillHandoffs(HandoffMachine[PrefillEffect]):
         else:
             self._attach(r, msg, ev, out)
 
-    def _on_kv_abort(self, msg: wire.KvAbort, ev: FromDecode, out: list) -> None:
+    def _on_kv_abort(self, msg: wire.KvAbort, ev: FromDecode, out: list[PrefillEffect]) -> None:
         """Fail the room and always answer (KvDone or KvFail): the decode keeps its pages until
         it knows no write of ours can still land in them."""
         room = msg.room
@@ -228,11 +244,11 @@ class PrefillHandoffs(HandoffMachine[PrefillEffect]):
         elif r.state.live:
             self._fail(r, reason, FailureCause.ABORTED, ev.now, out, peer=sender)
         elif r.state.finished:  # ended, not yet reported: answer again
-            out.append(Send(sender if r.state.unheard else r.peer,
+            out.append(Send(sender if r.state.unheard else cast(Endpoint, r.peer),
                             kv_fail(room, self.dp_rank, r.reason or reason, r.cause)))
         # FAILING: the decode is answered when the write returns
 
-    def _on_write_returned(self, ev: WriteReturned, out: list) -> None:
+    def _on_write_returned(self, ev: WriteReturned, out: list[PrefillEffect]) -> None:
         r = self.rooms.get(ev.room)
         if r is None:
             return
@@ -249,7 +265,7 @@ class PrefillHandoffs(HandoffMachine[PrefillEffect]):
             r.move(R.FAILED, ev.now)  # keeps the earlier reason (abort, timeout)
         self._tell_failed(r, out)
 
-    def _on_tick(self, ev: Tick, out: list) -> None:
+    def _on_tick(self, ev: Tick, out: list[PrefillEffect]) -> None:
         now = ev.now
         for r in list(self.rooms.values()):
             if r.state.live and now - r.created > self.bootstrap_timeout:

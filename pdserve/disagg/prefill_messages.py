@@ -4,6 +4,8 @@ state's time, ranks, forwarding, the transfer's bytes and rate, failure cause)."
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..core.failures import FailureCause
 from ..core.timeline import transfer_stages
 from . import wire
@@ -35,8 +37,8 @@ def room_report(r: PrefillRoom, dp_rank: int) -> HandoffDone:
                        {**r.stages, **transfer_stages(write)}, r.state.dropped)
 
 
-def room_meta(r: PrefillRoom, dp_rank: int) -> dict:
-    d = {f"prefill_{k}_s": v for k, v in r.handoff.durations().items()}  # as Handoff reports them
+def room_meta(r: PrefillRoom, dp_rank: int) -> dict[str, Any]:
+    d: dict[str, Any] = {f"prefill_{k}_s": v for k, v in r.handoff.durations().items()}  # as Handoff reports them
     d.update({"bootstrap_room": r.room, "prefill_dp_rank": dp_rank})
     if r.req is not None:
         d["decode_dp_rank"] = r.req.decode_rank

@@ -9,16 +9,17 @@ holder, so later aborts follow them). The machine (prefill_machine) writes and r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ..core.failures import FailureCause
+from ..transfer.base import Endpoint
 from . import wire
 
 
 class Early(NamedTuple):
     """A KvReq that came before its request."""
 
-    peer: dict
+    peer: Endpoint
     req: wire.KvReq
     since: float
 
@@ -42,14 +43,14 @@ class Route(NamedTuple):
     """Where the front sent a room whose home is this rank."""
 
     rank: int
-    endpoint: dict
+    endpoint: Endpoint
     since: float
 
 
 class Forwarded(NamedTuple):
     """A KvReq this rank passed on to the holder; later aborts for the room follow it."""
 
-    holder: dict
+    holder: Endpoint
     since: float
 
 
@@ -63,7 +64,7 @@ class RoomNotes:
     routes: dict[int, Route] = field(default_factory=dict)
     forwarded: dict[int, Forwarded] = field(default_factory=dict)
 
-    def holder(self, room: int) -> dict | None:
+    def holder(self, room: int) -> dict[str, Any] | None:
         """The endpoint of the rank that holds a room with no request here: where its KvReq
         was forwarded, else where the front routed it; None when neither is known."""
         if room in self.forwarded:
@@ -77,8 +78,10 @@ class RoomNotes:
     def expire(self, now: float, bootstrap_timeout: float, failed_ttl: float) -> None:
         """Forget doomed and dropped rooms after `failed_ttl`, routes and forwards after
         `bootstrap_timeout` (by then the room has started its write or failed)."""
-        for table, ttl in ((self.doomed, failed_ttl), (self.dropped, failed_ttl),
-                           (self.routes, bootstrap_timeout), (self.forwarded, bootstrap_timeout)):
+        tables: tuple[tuple[dict[int, Any], float], ...] = (
+            (self.doomed, failed_ttl), (self.dropped, failed_ttl),
+            (self.routes, bootstrap_timeout), (self.forwarded, bootstrap_timeout))
+        for table, ttl in tables:
             for room, note in list(table.items()):
                 if now - note.since > ttl:
                     del table[room]

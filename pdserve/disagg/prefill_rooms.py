@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..core.failures import FailureCause
+from ..transfer.base import Endpoint
 from . import wire
 from .handoff import Handoff, HandoffState, IllegalTransition, Side
 from .prefill_events import WriteFacts
@@ -126,9 +128,9 @@ class PrefillRoom:
     state: RoomState = RoomState.BOOTSTRAPPING
     entered: dict[RoomState, float] = field(default_factory=dict)  # state -> monotonic time
     req: wire.KvReq | None = None  # the decode's, once attached
-    peer: dict | None = None  # where the decode hears from us (None exactly until it spoke)
+    peer: Endpoint | None = None  # where the decode hears from us (None exactly until it spoke)
     pages: list[int] | None = None  # set when the prefill finished
-    aux: dict | None = None
+    aux: dict[str, Any] | None = None
     write: WriteFacts | None = None  # what its page write did, when it came back ok
     reason: str = ""  # set with the first failure
     cause: FailureCause = FailureCause.INTERNAL

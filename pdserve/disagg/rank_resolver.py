@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, cast
 
 from ..core.failures import FailureCause
 from .dp_rules import resolve_prefill_rank
@@ -76,7 +76,7 @@ class RankResolver:
             return self._finish(Resolved(room, addr, path="query", instance_id=instance_id, error=error,
                                          cause=cause, topology_at=topology_at))
         try:
-            self.pool.submit(self._lookup, addr, room, rank, "query", instance_id, topology_at)
+            self.pool.submit(self._lookup, addr, room, cast(int, rank), "query", instance_id, topology_at)
         except RuntimeError:  # closed
             pass
 

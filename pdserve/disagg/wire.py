@@ -15,9 +15,11 @@ that room can still land: until then the decode keeps the room's pages.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import msgspec
+
+from ..transfer.base import Endpoint
 
 KV_REQ = "kv_req"
 KV_ABORT = "kv_abort"
@@ -33,11 +35,11 @@ class _Msg(msgspec.Struct, tag_field="t", kw_only=True, omit_defaults=True):
 class KvReq(_Msg, tag=KV_REQ):
     dst_pages: list[int]  # for the prompt's pages after the reused ones
     prompt_len: int
-    layout: dict
-    endpoint: dict  # the decode worker's transfer endpoint: every answer goes there
+    layout: dict[str, Any]
+    endpoint: Endpoint  # the decode worker's transfer endpoint: every answer goes there
     page_size: int
     kv_dtype: str
-    fingerprint: dict
+    fingerprint: dict[str, Any]
     backend: str
     decode_rank: int
     prefill_rank: int | None = None  # the rank the decode addressed
@@ -50,7 +52,7 @@ class KvReq(_Msg, tag=KV_REQ):
 class KvAbort(_Msg, tag=KV_ABORT):
     reason: str = ""
     decode_rank: int | None = None
-    endpoint: dict | None = None  # the decode's endpoint (a forwarded abort has another sender)
+    endpoint: Endpoint | None = None  # the decode's endpoint (a forwarded abort has another sender)
 
 
 class KvDone(_Msg, tag=KV_DONE):
@@ -77,7 +79,7 @@ class KvFail(_Msg, tag=KV_FAIL):
 
 class KvMoved(_Msg, tag=KV_MOVED):
     prefill_rank: int  # the rank that holds the room
-    endpoint: dict  # its transfer endpoint: later aborts go straight there
+    endpoint: Endpoint  # its transfer endpoint: later aborts go straight there
 
 
 Message = Union[KvReq, KvAbort, KvDone, KvFail, KvMoved]
@@ -87,24 +89,18 @@ class BadMessage(ValueError):
     """A control message that is not one of ours or has a field of the wrong type."""
 
 
-def to_wire(msg: Message) -> dict:
-    return msgspec.to_builtins(msg)
+def to_wire(msg: Message) -> dict[str, Any]:
+    out: dict[str, Any] = msgspec.to_builtins(msg)
+    return out
 
 
 def from_wire(d: object) -> Message:
     """The typed message of a received map; BadMessage naming what is wrong."""
     try:
-        return msgspec.convert(d, Message)
+        msg: Message = msgspec.convert(d, Message)
+        return msg
     except msgspec.ValidationError as e:
         kind = d.get("t") if isinstance(d, dict) else type(d).__name__
         room = d.get("room") if isinstance(d, dict) else None
         raise BadMessage(f"malformed {kind!r} control message for room {room}: {e}") from None
 
-
-def compat_problem(local: dict, req: KvReq) -> str | None:
-    """Why a decode's KvReq cannot be served by this prefill worker, or None. `local` holds
-    page_size, kv_dtype, fingerprint and backend."""
-    for key in ("backend", "page_size", "kv_dtype", "fingerprint"):
-        if local.get(key) != getattr(req, key):
-            return f"{key} mismatch: prefill has {local.get(key)!r}, decode has {getattr(req, key)!r}"
-    return None

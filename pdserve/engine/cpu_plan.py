@@ -85,7 +85,8 @@ class AttentionPaths:
             per_query.tile_min = PER_QUERY_ONLY
             self._kernels[AttentionPath.KERNEL_PER_QUERY] = per_query
 
-    def for_step(self, decode_only: bool, max_prefill_kv: int) -> tuple[PagedAttentionKernel | None, torch.dtype | None]:
+    def for_step(self, decode_only: bool,
+                 max_prefill_kv: int) -> tuple[PagedAttentionKernel | None, torch.dtype | None]:
         """decode_only: every sequence adds one token; max_prefill_kv: the longest KV of the
         step's prefilling sequences. -> (kernel, torch compute dtype or None for the model's)."""
         path = self.plan.decode_attention if decode_only else self.plan.prefill_path(max_prefill_kv)

@@ -33,7 +33,7 @@ from .logprobs import logprobs_of
 from .prefix_cache import PrefixCache
 from .sampler import make_generator, sample
 from .scheduler import Batch, Scheduler
-from .sequence import Sequence, SeqStatus
+from .sequence import SeqStatus, Sequence
 from .step_io import EngineRequest, EngineStats, StepOutput
 
 

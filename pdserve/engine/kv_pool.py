@@ -28,8 +28,8 @@ class KVPool:
             advise_huge_pages(self.buffer)
         self.buffer.zero_()
         slots = num_pages * page_size
-        self._k = [self.buffer[l, 0].view(slots, num_kv_heads, head_dim) for l in range(num_layers)]
-        self._v = [self.buffer[l, 1].view(slots, num_kv_heads, head_dim) for l in range(num_layers)]
+        self._k = [self.buffer[i, 0].view(slots, num_kv_heads, head_dim) for i in range(num_layers)]
+        self._v = [self.buffer[i, 1].view(slots, num_kv_heads, head_dim) for i in range(num_layers)]
 
     def k(self, layer: int) -> torch.Tensor:
         return self._k[layer]

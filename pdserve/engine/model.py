@@ -171,7 +171,8 @@ class DecoderLayer(torch.nn.Module):
 
 class CausalLM(torch.nn.Module):
     """forward(ids, positions, batch, pool) -> final-normed hidden [T, hidden];
-    logits(hidden) -> float32 [N, vocab]; raw_logits(hidden) -> the same in the model's dtype. Weights are left uninitialized: use loader.load_model."""
+    logits(hidden) -> float32 [N, vocab]; raw_logits(hidden) -> the same in the model's dtype.
+    Weights are left uninitialized: use loader.load_model."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int | None = None):
         super().__init__()

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .prefix_cache import PrefixCache, chain_hashes
-from .sequence import Sequence, SeqStatus
+from .sequence import SeqStatus, Sequence
 
 
 class StepKind(enum.Enum):

@@ -23,8 +23,16 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
 
-from .gguf_experts import MIXTRAL, QWEN2_MOE, QWEN3_MOE, ExpertNames, check_layout, expert_tensors, \
-    is_expert_tensor, moe_config
+from .gguf_experts import (
+    MIXTRAL,
+    QWEN2_MOE,
+    QWEN3_MOE,
+    ExpertNames,
+    check_layout,
+    expert_tensors,
+    is_expert_tensor,
+    moe_config,
+)
 from .gguf_gemma import GEMMA_LAYER_NAMES, gemma_config
 from .gguf_tokenizer import GGUFTokenizerData, build_tokenizer, tokenizer_config
 from .hf_config import UnsupportedModel

@@ -19,7 +19,6 @@ from .metrics import RouterMetrics
 from .pd_body import decode
 from .upstream import Upstream
 
-
 # statuses a leg may answer before any token that another pair may not (sglang-router's retry
 # set less 429, which is back-pressure and handled apart): a lost worker, a failed handoff
 RETRYABLE_STATUSES = frozenset({408, 500, 502, 503, 504})

@@ -6,8 +6,15 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
-                               disable_created_metrics, generate_latest)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 disable_created_metrics()  # no `_created` series: Prometheus derives resets itself
 

@@ -15,8 +15,8 @@ from typing import Any
 import msgspec
 
 from pdserve.core.errors import BadRequest
+from pdserve.core.pd_vocab import ROOM_BITS
 
-ROOM_BITS = 63
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
 

@@ -226,8 +226,8 @@ class PDExchange:
     async def _try_pair(self, pair: Pair, body: dict) -> web.StreamResponse:
         rooms = mint_rooms(self.shape.room_count)
         dp = (pair.prefill_rank, pair.decode_rank) if pair.prefill_rank is not None else None
-        self.where = (f"bootstrap_room={rooms}, prefill {pair.prefill.url}"
-                      f"{f' dp_rank {dp[0]}' if dp else ''}, decode {pair.decode.url}{f' dp_rank {dp[1]}' if dp else ''}")
+        self.where = (f"bootstrap_room={rooms}, prefill {pair.prefill.url}{f' dp_rank {dp[0]}' if dp else ''}, "
+                      f"decode {pair.decode.url}{f' dp_rank {dp[1]}' if dp else ''}")
         count, rid = self.migration.count, body.get("rid")
         # a migration may pick the old prefill, whose leg of the same rid may not have ended yet
         p_rid = f"{rid}-migration-{count}" if count and isinstance(rid, str) else None

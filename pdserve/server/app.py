@@ -17,21 +17,29 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from ..core.errors import BadRequest, NotFound, PDServeError, Unavailable
+from .api_options import ApiOptions
 from .front import Front, error_from
 from .generation import ActiveRequest
 from .http_metrics import HTTPMetricsMiddleware
-from .http_utils import (SSE_DONE, ApiKeyMiddleware, ClientGone, SSEResponse, error_response, json_body,
-                         sse, until_disconnect)
+from .http_utils import (
+    SSE_DONE,
+    ApiKeyMiddleware,
+    ClientGone,
+    SSEResponse,
+    error_response,
+    json_body,
+    sse,
+    until_disconnect,
+)
 from .limits import BodyLimit
 from .native_api import NativeCall, item_reply, parse_generate
 from .openai_api import OpenAIReply
 from .openai_protocol import parse_chat, parse_completion
-from .request_state import ItemProgress
-from .api_options import ApiOptions
 from .protocol import opt_bool
+from .request_state import ItemProgress
+from .resume import ProgressLines, wants_progress
 from .running import RunningRequests
 from .tokenize_api import detokenize, tokenize
-from .resume import ProgressLines, wants_progress
 
 log = logging.getLogger(__name__)
 CLIENT_CLOSED = 499  # nginx's code for "client closed request"; never seen by the client

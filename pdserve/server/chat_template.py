@@ -13,7 +13,6 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..core.errors import BadRequest
 
-
 RESERVED_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 

@@ -17,19 +17,20 @@ from typing import Callable
 
 from .. import __version__
 from ..core.config import ServerConfig
-from ..core.errors import PDServeError, Unavailable
 from ..core.envs import Envs
-from ..core.log_format import new_instance_id
-from ..core.netaddr import resolve_advertise_host
+from ..core.errors import PDServeError, Unavailable
 from ..core.host import HostInfo
+from ..core.log_format import new_instance_id
 from ..core.messages import WorkerReady
+from ..core.netaddr import resolve_advertise_host
 from ..core.sampling import SamplingParams
 from .dispatcher import DPDispatcher
 from .generation import Generator, Limits
 from .limits import RETRY_AFTER_S, Admission, AdmissionLimits, Slot
 from .metrics import FrontMetrics
 from .protocol import RequestItem
-from .roles import Dispatch, FrontRole, RoleContext, make_role
+from .role_table import make_role
+from .roles import Dispatch, FrontRole, RoleContext
 from .tokenizer import ServerTokenizer
 from .worker_cmd import DEFAULT_WORKER_MODULE
 from .worker_pool import WorkerPool

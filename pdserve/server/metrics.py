@@ -8,8 +8,7 @@ refreshed from the workers' stats at scrape time. docs/observability.md lists ev
 
 from __future__ import annotations
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
-                               generate_latest)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 

@@ -4,8 +4,8 @@
 logit_bias work; `json_schema` (JSON text), `regex` and `ebnf` constrain the output (one of them;
 a bad one is a 400 with the grammar library's message); structural_tag and stop_regex are
 refused with a 400 naming the field; skip_special_tokens, spaces_between_special_tokens and
-no_stop_trim shape the text (server/text_options.py). `return_logprob` gives the prompt's and the sampled tokens' logprobs;
-`top_logprobs_num` (up to 20) adds each position's most likely alternatives (meta_info
+no_stop_trim shape the text (server/text_options.py). `return_logprob` gives the prompt's and
+the sampled tokens' logprobs; `top_logprobs_num` (up to 20) adds each position's most likely alternatives (meta_info
 input_top_logprobs / output_top_logprobs, entries [logprob, token id, text or null]).
 """
 
@@ -17,10 +17,10 @@ from ..core.errors import BadRequest
 from ..core.logprobs import MAX_TOP_LOGPROBS
 from ..core.sampling import SamplingParams
 from .api_options import ApiOptions
-from .refused_fields import refuse_generate
-from .sampling_defaults import with_defaults
 from .protocol import RequestItem, build_items, check_token_ids, opt_bool, opt_int
+from .refused_fields import refuse_generate
 from .request_state import ItemProgress
+from .sampling_defaults import with_defaults
 from .structured_outputs import check_sampling
 from .text_options import sglang_text_options
 from .tokenizer import ServerTokenizer

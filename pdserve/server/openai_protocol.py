@@ -25,8 +25,8 @@ from ..core.sampling import SamplingParams, unsupported
 from .api_options import ApiOptions
 from .chat_output import ChatShape
 from .chat_request import parse_chat_request
-from .refused_fields import refuse_openai
 from .protocol import RequestItem, build_items, check_token_ids, is_int, opt_bool, opt_int, opt_str
+from .refused_fields import refuse_openai
 from .sampling_defaults import with_defaults
 from .structured_outputs import parse_structured, with_grammar
 from .text_options import openai_text_options

@@ -17,9 +17,10 @@ from ..core.envs import Envs
 from ..core.errors import BadRequest, PDServeError
 from ..core.messages import PDParams, RoomDroppedNotice, RoomFailedNotice, RoomRoutedNotice
 from ..core.netaddr import check_reachable, host_port, is_loopback
+from ..core.pd_settings import PDSettings
+from ..core.pd_vocab import MAX_ROOM, check_room
 from ..disagg.bootstrap_server import start_bootstrap_server
 from ..disagg.bootstrap_table import BootstrapTable
-from ..core.pd_vocab import MAX_ROOM, check_room
 from ..disagg.dp_rules import decide_prefill_rank
 from .dispatcher import DPDispatcher, LBMethod
 from .limits import RETRY_AFTER_S, Refused
@@ -81,11 +82,11 @@ class PrefillFrontRole(FrontRole):
 
     def __init__(self, cfg: ServerConfig, envs: Envs | None = None):
         super().__init__(cfg)
-        envs = envs or Envs.read()
-        self.force = cfg.force_query_prefill_dp_rank or envs.force_query_prefill_dp_rank
-        self.token = cfg.bootstrap_token or envs.bootstrap_token  # guards PUT /route, /register_dp_rank
+        self.pd = PDSettings.of(cfg, envs or Envs.read())
+        self.force = self.pd.force_query
+        self.token = self.pd.bootstrap_token  # guards PUT /route, /register_dp_rank
         self.table = BootstrapTable(dp_size=cfg.dp_size, force_query_dp_rank=self.force,
-                                    ttl=envs.room_ttl, forwards_kv_requests=True)
+                                    ttl=self.pd.room_ttl, forwards_kv_requests=True)
         self.bootstrap = None
         self.notify = lambda rank, msg: False
         self.claims: dict[int, tuple[str, int]] = {}  # room -> (rid, dp_rank) of items in flight
@@ -236,8 +237,8 @@ class DecodeFrontRole(FrontRole):
 
     def __init__(self, cfg: ServerConfig, envs: Envs | None = None):
         super().__init__(cfg)
-        envs = envs or Envs.read()
-        self.force = cfg.force_query_prefill_dp_rank or envs.force_query_prefill_dp_rank
+        self.pd = PDSettings.of(cfg, envs or Envs.read())
+        self.force = self.pd.force_query
         self.claims: dict[int, tuple[str, int]] = {}  # room -> (rid, dp_rank) of items in flight
 
     def dispatch(self, item: RequestItem, dispatcher: DPDispatcher) -> Dispatch:

@@ -100,17 +100,3 @@ class ColocatedRole(FrontRole):
     def dispatch(self, item: RequestItem, dispatcher: DPDispatcher) -> Dispatch:
         choice = dispatcher.choose(item.pd.bootstrap_room, item.routed_dp_rank)
         return Dispatch(choice.dp_rank, choice.reason, None)
-
-
-def role_classes() -> dict[Role, type[FrontRole]]:
-    from .pd_roles import DecodeFrontRole, PrefillFrontRole  # loads disagg: only PD servers need it
-
-    return {Role.COLOCATED: ColocatedRole, Role.PREFILL: PrefillFrontRole, Role.DECODE: DecodeFrontRole}
-
-
-def make_role(cfg: ServerConfig) -> FrontRole:
-    role = Role(cfg.role)
-    cls = ColocatedRole if role is Role.COLOCATED else role_classes().get(role)
-    if cls is None:
-        raise ValueError(f"server role {role.value!r} has no front implementation")
-    return cls(cfg)

@@ -6,15 +6,23 @@ Accepted, at most one per request: OpenAI `response_format` {text | json_object 
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`; SGLang's top-level `regex`,
 `ebnf` and `json_schema`. Refused by name: `structural_tag` (every spelling), vLLM's
 `whitespace_pattern` / `disable_additional_properties`, a `guided_decoding_backend` other
-than llguidance, and min_tokens with a constraint (the grammar may end first). Every spec is compiled here (grammar/compiler.py: no torch), so a bad schema,
+than llguidance, and min_tokens with a constraint (the grammar may end first). Every spec is
+compiled here (grammar/compiler.py: no torch), so a bad schema,
 regex or grammar is a 400 with the library's message before any worker sees it.
 """
 
 from __future__ import annotations
 
 from ..core.errors import BadRequest
-from ..core.grammar_spec import (GrammarSpec, choice_spec, grammar_spec, json_object_spec, json_schema_spec,
-                                 only_one, regex_spec)
+from ..core.grammar_spec import (
+    GrammarSpec,
+    choice_spec,
+    grammar_spec,
+    json_object_spec,
+    json_schema_spec,
+    only_one,
+    regex_spec,
+)
 from ..core.sampling import SamplingParams, unsupported
 from ..grammar.compiler import check_spec
 

@@ -4,7 +4,8 @@ Lifecycle: `start()` binds one PUSH socket per rank and one PULL socket (ipc:// 
 temp dir), spawns one process per rank, and waits (deadline; fail fast when a process exits)
 for WorkerReady or WorkerFailed from every rank. While serving, `submit`/`abort`/`stats` talk
 to ranks and a reader task routes each TokenOutput to the sink of its rid; a monitor fails the
-requests of a rank whose process died and calls the `on_dead` hooks. `stop()` sends ShutdownReq, waits, then kills by pid.
+requests of a rank whose process died and calls the `on_dead` hooks. `stop()` sends
+ShutdownReq, waits, then kills by pid.
 The workers die with the front however it dies (core/child_process.py: a parent-death signal
 armed for the thread that runs `start()`, the front's event loop thread, which outlives them).
 Messages are core.messages dataclasses, pickled.
@@ -31,8 +32,18 @@ import zmq.asyncio
 from ..core.child_process import spawn_child
 from ..core.config import ServerConfig
 from ..core.errors import BadRequest, Timeout, Unavailable
-from ..core.messages import (AbortReq, ErrorInfo, GenerateReq, OutputBatch, ShutdownReq, StatsReq,
-                             TokenOutput, WorkerFailed, WorkerReady, WorkerStats)
+from ..core.messages import (
+    AbortReq,
+    ErrorInfo,
+    GenerateReq,
+    OutputBatch,
+    ShutdownReq,
+    StatsReq,
+    TokenOutput,
+    WorkerFailed,
+    WorkerReady,
+    WorkerStats,
+)
 from ..core.wait_policy import WaitChoice
 from .worker_cmd import DEFAULT_WORKER_MODULE, wait_choice, worker_command, worker_env
 

@@ -1,8 +1,15 @@
 """KV transfer: backends that write KV pages into a peer worker's pool and carry small control
 messages (tcp built in, fake for tests, mooncake and nixl optional). No torch, no engine imports."""
 
-from .base import (PROTOCOL_VERSION, TransferBackend, TransferError, WriteResult, layout_from_dict,
-                   layout_to_dict, peer_name)
+from .base import (
+                   PROTOCOL_VERSION,
+                   TransferBackend,
+                   TransferError,
+                   WriteResult,
+                   layout_from_dict,
+                   layout_to_dict,
+                   peer_name,
+)
 from .registry import backend_class, backend_names, create_backend
 
 __all__ = [

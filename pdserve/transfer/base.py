@@ -13,7 +13,7 @@ import operator
 import queue
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -21,6 +21,9 @@ from ..core.errors import HandoffFailed
 from ..core.kv_layout import KVLayout
 
 PROTOCOL_VERSION = 1
+# an endpoint's descriptor as `start()` returns it: backend, version, ip, port, instance, and
+# what the backend adds (mooncake's session, nixl's agent); json-able, it crosses the wire as is
+Endpoint = dict[str, Any]
 MAX_MSG_BYTES = 16 << 20
 
 
@@ -70,7 +73,7 @@ def layout_from_dict(d: dict) -> KVLayout:
     return KVLayout(**kw)
 
 
-def peer_name(peer: dict) -> str:
+def peer_name(peer: Endpoint) -> str:
     """A short human name of an endpoint descriptor for errors and logs."""
     if not isinstance(peer, dict):
         return repr(peer)
@@ -219,14 +222,14 @@ class TransferBackend(ABC):
 
     def __init__(self) -> None:
         self.layout: KVLayout | None = None
-        self.endpoint: dict | None = None
+        self.endpoint: Endpoint | None = None
 
     @abstractmethod
-    def start(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, advertise: str = "") -> dict:
+    def start(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, advertise: str = "") -> Endpoint:
         ...
 
     @abstractmethod
-    def send(self, peer: dict, msg: dict) -> None:
+    def send(self, peer: Endpoint, msg: dict) -> None:
         ...
 
     @abstractmethod
@@ -238,10 +241,10 @@ class TransferBackend(ABC):
         ...
 
     @abstractmethod
-    def _copy(self, peer: dict, copies: list[PageCopy]) -> tuple[float, float]:
+    def _copy(self, peer: Endpoint, copies: list[PageCopy]) -> tuple[float, float]:
         """Move the planned runs to `peer`; return (started_at, finished_at) of the movement."""
 
-    def write_pages(self, peer: dict, peer_layout: dict, src_pages: list[int],
+    def write_pages(self, peer: Endpoint, peer_layout: dict, src_pages: list[int],
                     dst_pages: list[int]) -> WriteResult:
         if self.layout is None:
             raise TransferError(f"{self.name} backend: write_pages before start()")
@@ -251,7 +254,7 @@ class TransferBackend(ABC):
         started, finished = self._copy(peer, copies)
         return WriteResult(sum(c.nbytes for c in copies), started, finished, len(copies))
 
-    def check_peer(self, peer: dict) -> None:
+    def check_peer(self, peer: Endpoint) -> None:
         """Refuse a descriptor of another backend or protocol version before any I/O."""
         if (not isinstance(peer, dict) or not {"backend", "ip", "port"} <= peer.keys()
                 or not isinstance(peer["port"], int) or not isinstance(peer["ip"], str)):

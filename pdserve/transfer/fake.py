@@ -15,8 +15,17 @@ import time
 from dataclasses import dataclass
 
 from ..core.kv_layout import KVLayout
-from .base import (Inbox, PageCopy, TransferBackend, TransferError, decode_msg, encode_msg, out_of_bounds,
-                   peer_name)
+from .base import (
+    Endpoint,
+    Inbox,
+    PageCopy,
+    TransferBackend,
+    TransferError,
+    decode_msg,
+    encode_msg,
+    out_of_bounds,
+    peer_name,
+)
 
 
 @dataclass
@@ -57,12 +66,12 @@ class FakeFabric:
         with self._lock:
             self._endpoints.pop(port, None)
 
-    def drop(self, endpoint: dict) -> None:
+    def drop(self, endpoint: Endpoint) -> None:
         """Make an endpoint vanish: everything to or from it fails from now on."""
         with self._lock:
             self._dropped.add(endpoint["port"])
 
-    def resolve(self, src: "FakeBackend", peer: dict) -> "FakeBackend":
+    def resolve(self, src: "FakeBackend", peer: Endpoint) -> "FakeBackend":
         name = peer_name(peer)
         with self._lock:
             if src.endpoint["port"] in self._dropped:
@@ -90,7 +99,7 @@ class FakeBackend(TransferBackend):
         self._lock = threading.Lock()  # serializes sends/writes, like tcp's per-peer stream
         self._closed = False
 
-    def start(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, advertise: str = "") -> dict:
+    def start(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, advertise: str = "") -> Endpoint:
         if self.endpoint is not None or self._closed:
             raise TransferError("a fake backend starts once; create a new one")
         self.layout = layout
@@ -107,7 +116,7 @@ class FakeBackend(TransferBackend):
             self.fabric.detach(self.endpoint["port"])
         self._inbox.close()
 
-    def _target(self, peer: dict) -> "FakeBackend":
+    def _target(self, peer: Endpoint) -> "FakeBackend":
         if self._closed or self.endpoint is None:
             raise TransferError(f"fake backend is {'closed' if self._closed else 'not started'}; "
                                 f"cannot reach {peer_name(peer)}")
@@ -116,7 +125,7 @@ class FakeBackend(TransferBackend):
             time.sleep(self.faults.delay_s)
         return self.fabric.resolve(self, peer)
 
-    def send(self, peer: dict, msg: dict) -> None:
+    def send(self, peer: Endpoint, msg: dict) -> None:
         data = encode_msg(msg)  # round trip: the receiver gets what the wire would give it
         with self._lock:
             target = self._target(peer)
@@ -126,7 +135,7 @@ class FakeBackend(TransferBackend):
                 return
             target._inbox.put(dict(self.endpoint), decode_msg(data))
 
-    def _copy(self, peer: dict, copies: list[PageCopy]) -> tuple[float, float]:
+    def _copy(self, peer: Endpoint, copies: list[PageCopy]) -> tuple[float, float]:
         with self._lock:
             target = self._target(peer)
             if self.faults.take("fail_writes"):

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from ..core.kv_layout import KVLayout
 from ..core.netaddr import host_port
-from .base import PageCopy, TransferBackend, TransferError, peer_name
+from .base import Endpoint, PageCopy, TransferBackend, TransferError, peer_name
 from .tcp import TcpBackend
 
 PROTOCOLS = ("tcp", "rdma")
@@ -64,7 +64,7 @@ class _ControlChannel(TcpBackend):
         self.endpoint = {**self.endpoint, **extra}
         return dict(self.endpoint)
 
-    def ensure_connected(self, peer: dict) -> None:
+    def ensure_connected(self, peer: Endpoint) -> None:
         """Connect to `peer` now if not yet connected: the hello checks its backend, version and
         instance, and an error it reported on this channel is raised here."""
         self._on_conn(peer, lambda sock: None)
@@ -101,7 +101,7 @@ class MooncakeBackend(TransferBackend):
         return {"protocol": envs.mooncake_protocol, "device": envs.mooncake_device}
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, advertise: str = "") -> dict:
+    def start(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, advertise: str = "") -> Endpoint:
         with self._lock:
             if self.endpoint is not None or self._closed or self._engine is not None:
                 raise TransferError("a mooncake backend starts once; create a new one")
@@ -144,7 +144,7 @@ class MooncakeBackend(TransferBackend):
         del engine
 
     # -- peers ---------------------------------------------------------------------------------
-    def check_peer(self, peer: dict) -> None:
+    def check_peer(self, peer: Endpoint) -> None:
         super().check_peer(peer)
         if not isinstance(peer.get("session"), str) or not isinstance(peer.get("base_ptr"), int):
             raise TransferError(f"bad mooncake peer descriptor {peer!r}: needs session (str) and base_ptr (int)")
@@ -153,7 +153,7 @@ class MooncakeBackend(TransferBackend):
                                 f"{peer.get('protocol')!r}, this endpoint uses {self.protocol!r} "
                                 "(PDSERVE_MOONCAKE_PROTOCOL must match on both sides)")
 
-    def _live_engine(self, peer: dict):
+    def _live_engine(self, peer: Endpoint):
         with self._lock:
             if self._engine is None:
                 state = "closed" if self._closed else "not started"
@@ -161,7 +161,7 @@ class MooncakeBackend(TransferBackend):
             return self._engine
 
     # -- data and messages ---------------------------------------------------------------------
-    def send(self, peer: dict, msg: dict) -> None:
+    def send(self, peer: Endpoint, msg: dict) -> None:
         self.check_peer(peer)
         self._live_engine(peer)
         self._ctl.send(peer, msg)
@@ -169,7 +169,7 @@ class MooncakeBackend(TransferBackend):
     def recv(self, timeout: float) -> list[tuple[dict, dict]]:
         return self._ctl.recv(timeout)
 
-    def _copy(self, peer: dict, copies: list[PageCopy]) -> tuple[float, float]:
+    def _copy(self, peer: Endpoint, copies: list[PageCopy]) -> tuple[float, float]:
         engine = self._live_engine(peer)
         # before any byte moves: the peer answers our hello as the instance we were given
         self._ctl.ensure_connected(peer)

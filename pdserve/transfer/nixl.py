@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..core.kv_layout import KVLayout
-from .base import PageCopy, TransferBackend, TransferError, peer_name
+from .base import Endpoint, PageCopy, TransferBackend, TransferError, peer_name
 from .nixl_agent import import_api, import_problem, new_agent  # noqa: F401 - import_problem is this backend's probe
 from .nixl_gate import NotifGate, notif_for
 from .tcp import TcpBackend
@@ -74,7 +74,7 @@ class _ControlChannel(TcpBackend):
         self.endpoint = {**self.endpoint, **extra}
         return dict(self.endpoint)
 
-    def ensure_connected(self, peer: dict) -> None:
+    def ensure_connected(self, peer: Endpoint) -> None:
         """Connect to `peer` now if not yet connected: its hello answer checks backend, version
         and instance, and an error it reported on this channel is raised here."""
         self._on_conn(peer, lambda sock: None)
@@ -118,7 +118,7 @@ class NixlBackend(TransferBackend):
         self._kept_agent = None  # an agent close() could not tear down safely (a call stuck inside NIXL)
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, advertise: str = "") -> dict:
+    def start(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, advertise: str = "") -> Endpoint:
         with self._lock:
             if self.endpoint is not None or self._closed or self._agent is not None:
                 raise TransferError("a nixl backend starts once; create a new one")
@@ -182,7 +182,7 @@ class NixlBackend(TransferBackend):
             log.warning("nixl clean-up %s failed: %s: %s", getattr(fn, "__name__", fn), type(e).__name__, e)
 
     @contextmanager
-    def _using_agent(self, peer: dict | None):
+    def _using_agent(self, peer: Endpoint | None):
         """The live agent, kept alive for the block; TransferError (or None when peer is None,
         for recv) once closed."""
         with self._lock:
@@ -202,7 +202,7 @@ class NixlBackend(TransferBackend):
                 self._lock.notify_all()
 
     # -- peers ---------------------------------------------------------------------------------
-    def check_peer(self, peer: dict) -> None:
+    def check_peer(self, peer: Endpoint) -> None:
         super().check_peer(peer)
         if (not isinstance(peer.get("agent"), str) or not isinstance(peer.get("agent_metadata"), str)
                 or not isinstance(peer.get("base_ptr"), int)):
@@ -216,7 +216,7 @@ class NixlBackend(TransferBackend):
         with self._lock:
             return self._out.setdefault(agent_name, _PeerOut())
 
-    def _load_remote(self, agent, peer: dict) -> str:
+    def _load_remote(self, agent, peer: Endpoint) -> str:
         """The peer's agent name, its metadata loaded into ours (once per peer instance)."""
         key, want = (peer["ip"], peer["port"]), peer["agent"]
         with self._lock:
@@ -246,7 +246,7 @@ class NixlBackend(TransferBackend):
             return want
 
     # -- data ----------------------------------------------------------------------------------
-    def _copy(self, peer: dict, copies: list[PageCopy]) -> tuple[float, float]:
+    def _copy(self, peer: Endpoint, copies: list[PageCopy]) -> tuple[float, float]:
         with self._using_agent(peer) as agent:
             # before any byte moves: the peer answers our hello as the instance we were given
             self._ctl.ensure_connected(peer)
@@ -300,7 +300,7 @@ class NixlBackend(TransferBackend):
             raise TransferError(f"{what} failed (NIXL state {state})")
 
     # -- messages ------------------------------------------------------------------------------
-    def send(self, peer: dict, msg: dict) -> None:
+    def send(self, peer: Endpoint, msg: dict) -> None:
         self.check_peer(peer)
         if not isinstance(msg, dict):
             raise TransferError(f"control message must be a dict, got {type(msg).__name__}")

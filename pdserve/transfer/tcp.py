@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from ..core.kv_layout import KVLayout
 from ..core.netaddr import AddressError, family_of, host_port, resolve_advertise_host, strip_brackets
 from . import tcp_wire as wire
+from .base import Endpoint, Inbox, PageCopy, TransferBackend, TransferError, memory_view, out_of_bounds, peer_name
 from .tcp_socket import arm_deadline, closed_by_peer, is_same_host, shutdown, tune
-from .base import Inbox, PageCopy, TransferBackend, TransferError, memory_view, out_of_bounds, peer_name
 
 log = logging.getLogger(__name__)
 Frame = wire.Frame
@@ -74,7 +74,7 @@ class TcpBackend(TransferBackend):
     _same_host = staticmethod(is_same_host)  # a seam: tests take other hosts' send path on loopback
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, advertise: str = "") -> dict:
+    def start(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, advertise: str = "") -> Endpoint:
         if self.endpoint is not None or self._closed:
             raise TransferError("a tcp backend starts once; create a new one")
         try:
@@ -129,12 +129,12 @@ class TcpBackend(TransferBackend):
                 sock.close()
 
     # -- outbound ------------------------------------------------------------------------------
-    def send(self, peer: dict, msg: dict) -> None:
+    def send(self, peer: Endpoint, msg: dict) -> None:
         self.check_peer(peer)
         frame = wire.dict_frame(Frame.MSG, msg)
         self._on_conn(peer, lambda sock: sock.sendall(frame))
 
-    def _copy(self, peer: dict, copies: list[PageCopy]) -> tuple[float, float]:
+    def _copy(self, peer: Endpoint, copies: list[PageCopy]) -> tuple[float, float]:
         mem = self._mem
 
         def move(sock: socket.socket) -> tuple[float, float]:
@@ -145,7 +145,7 @@ class TcpBackend(TransferBackend):
 
         return self._on_conn(peer, move)
 
-    def _on_conn(self, peer: dict, op):
+    def _on_conn(self, peer: Endpoint, op):
         name = peer_name(peer)
         key = (peer["ip"], int(peer["port"]), peer.get("instance"))
         with self._lock:
@@ -195,7 +195,7 @@ class TcpBackend(TransferBackend):
         else:
             shutdown(conn.sock)
 
-    def _connect(self, peer: dict, name: str) -> socket.socket:
+    def _connect(self, peer: Endpoint, name: str) -> socket.socket:
         deadline = time.monotonic() + self.connect_timeout
         sock = socket.socket(family_of(peer["ip"]), socket.SOCK_STREAM)
         same_host = self._same_host(peer["ip"], self.endpoint["ip"])

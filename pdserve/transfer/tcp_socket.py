@@ -55,7 +55,10 @@ def closed_by_peer(sock: socket.socket) -> str | None:
     if not poller.poll(0):
         return None
     try:
-        kind, _, n = wire.read_frame(sock)
+        frame = wire.read_frame(sock, eof_ok=True)
+        if frame is None:
+            return ""
+        kind, _, n = frame
         return str(wire.read_dict(sock, n).get("message")) if kind == Frame.ERROR else ""
     except (OSError, ValueError):
         return ""

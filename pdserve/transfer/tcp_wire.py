@@ -13,7 +13,7 @@ import socket
 import struct
 from typing import Iterator
 
-from .base import MAX_MSG_BYTES, PageCopy, decode_msg, encode_msg, peer_name
+from .base import MAX_MSG_BYTES, Endpoint, PageCopy, decode_msg, encode_msg, peer_name
 
 HDR = struct.Struct("!B3xIQ")
 RUN = struct.Struct("!IQQ")
@@ -121,12 +121,12 @@ def discard(sock: socket.socket, nbytes: int) -> None:
         recv_scatter(sock, [scratch[:min(_DISCARD, nbytes - off)]])
 
 
-def hello(backend: str, version: int, endpoint: dict, expect_instance: str | None) -> bytes:
+def hello(backend: str, version: int, endpoint: Endpoint, expect_instance: str | None) -> bytes:
     return dict_frame(Frame.HELLO, {"magic": MAGIC, "backend": backend, "version": version,
                                     "endpoint": endpoint, "expect_instance": expect_instance})
 
 
-def hello_refusal(msg: dict, backend: str, version: int, endpoint: dict) -> str | None:
+def hello_refusal(msg: dict, backend: str, version: int, endpoint: Endpoint) -> str | None:
     """Why this endpoint (backend vX at `endpoint`) refuses a received hello, or None."""
     me = f"{peer_name(endpoint)} ({backend} v{version})"
     sender = msg.get("endpoint")

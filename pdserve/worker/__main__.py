@@ -33,9 +33,9 @@ def main(argv=None) -> None:
     set_process_cpus(rank_cpus(cfg.cpu_bind, args.dp_rank, cfg.dp_size))  # before any thread starts
     channel = WorkerChannel(args.in_addr, args.out_addr)
     try:
-        from .setup import build_engine, spin_governor
         from .role import RoleContext
         from .roles import ROLES
+        from .setup import build_engine, spin_governor
 
         envs = Envs.read()
         engine, mcfg, dtype = build_engine(cfg, args.model_dir, envs.cache_dir, args.dp_rank,

@@ -11,7 +11,8 @@ until the receiver releases them.
 
 from __future__ import annotations
 
-from ..core.envs import Envs
+from typing import Protocol
+
 from ..core.errors import PDServeError
 from ..core.logprobs import PromptLogprobs
 from ..core.messages import GenerateReq, TokenOutput
@@ -29,36 +30,46 @@ from .role import WorkerRole, engine_request, error_output, to_token_output
 TRANSFER_IO_TIMEOUT_S = 60.0  # the io_timeout of the built-in backends (tcp, nixl, mooncake's control path)
 
 
-def quarantine_timeout(envs: Envs, backend) -> float:
+class Deadlines(Protocol):
+    """What `quarantine_timeout` reads: a PDSettings (or the Envs it was built from)."""
+
+    @property
+    def kv_quarantine_timeout(self) -> float: ...
+
+    @property
+    def bootstrap_timeout(self) -> float: ...
+
+
+def quarantine_timeout(pd: Deadlines, backend: object) -> float:
     """How long the pages of a room whose prefill went unheard stay held: PDSERVE_KV_QUARANTINE_TIMEOUT,
     else longer than that prefill may still write (its room starts a write within its bootstrap
     deadline or fails; a write stalled for the backend's io timeout fails)."""
-    if envs.kv_quarantine_timeout:
-        return envs.kv_quarantine_timeout
-    return envs.bootstrap_timeout + float(getattr(backend, "io_timeout", TRANSFER_IO_TIMEOUT_S))
+    if pd.kv_quarantine_timeout:
+        return pd.kv_quarantine_timeout
+    return pd.bootstrap_timeout + float(getattr(backend, "io_timeout", TRANSFER_IO_TIMEOUT_S))
 
 
 class DecodeRole(WorkerRole):
     def start(self) -> dict:
-        envs, cfg = self.ctx.envs, self.ctx.cfg
+        pd, cfg = self.ctx.pd, self.ctx.cfg
         self.backend, self.local = start_backend(self.ctx)
         self.pending: dict[int, GenerateReq] = {}  # room -> request, until its KV arrived
         self.rooms: dict[str, int] = {}  # rid -> room
         self.quarantined: dict[int, str] = {}  # room -> rid: answered, its pages still reserved
-        self.link = PrefillLink(LinkSettings.of(cfg, envs))  # all this decode knows of each prefill
+        self.link = PrefillLink(LinkSettings.of(pd))  # all this decode knows of each prefill
         self.receiver = DecodeReceiver(
             self.backend, self.dp_rank, self.local, link=self.link, reserve=self._reserve, wake=self.ctx.wake,
-            limits=ReceiverLimits(waiting_timeout=envs.waiting_timeout,
-                                  quarantine=quarantine_timeout(envs, self.backend),
+            limits=ReceiverLimits(waiting_timeout=pd.waiting_timeout,
+                                  quarantine=quarantine_timeout(pd, self.backend),
                                   queue=HandoffQueue(cfg.max_queued_handoffs, cfg.handoff_queue_timeout)))
-        self.pool_math = PoolArithmetic(self.engine, self.local["page_size"],
+        self.pool_math = PoolArithmetic(self.engine, self.local.page_size,
                                         GenerationReserve(cfg.num_reserved_decode_tokens))
         self.pump = MessagePump(self.backend, self.ctx.wake)
         self.local_role = ColocatedRole(self.ctx)  # health checks and prompts this decode prefills
         self.local_max = cfg.disagg_local_prefill_max_tokens
         self.overload = cfg.disagg_prefill_overload_tokens
         self.local_meta: dict[str, dict] = {}  # rid -> meta for the first output of a local prefill
-        return {"transfer_endpoint": self.local["endpoint"]}
+        return {"transfer_endpoint": self.local.endpoint}
 
     def _reserve(self, rid: str, prompt_len: int) -> Reservation | None:
         """Pages for a room's prompt, reusing what this decode's prefix cache holds of it, if

@@ -9,8 +9,19 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from ..core.messages import (AbortReq, GenerateReq, OutputBatch, RoomDroppedNotice, RoomFailedNotice, RoomRoutedNotice, ShutdownReq,
-                             StatsReq, TokenOutput, WorkerStats)
+from ..core.messages import (
+    AbortReq,
+    GenerateReq,
+    OutputBatch,
+    RoomDroppedNotice,
+    RoomFailedNotice,
+    RoomRoutedNotice,
+    ShutdownReq,
+    StatsReq,
+    TokenOutput,
+    WorkerStats,
+)
+from ..engine.engine import Engine
 from ..engine.spin_governor import SpinGovernor
 from .channel import WorkerChannel
 from .queue_clock import QueueClock

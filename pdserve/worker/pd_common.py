@@ -8,14 +8,15 @@ from ..core.errors import BadRequest
 from ..core.log_format import fields
 from ..core.messages import GenerateReq
 from ..core.netaddr import AddressError, check_reachable
-from ..transfer.base import TransferBackend, layout_to_dict
+from ..disagg.local_facts import LocalFacts
+from ..transfer.base import TransferBackend
 from ..transfer.registry import backend_class
 from .role import RoleContext
 
 log = logging.getLogger("pdserve.handoff")
 
 
-def start_backend(ctx: RoleContext) -> tuple[TransferBackend, dict]:
+def start_backend(ctx: RoleContext) -> tuple[TransferBackend, LocalFacts]:
     """Start this worker's backend over its KV pool; -> (backend, local facts for kv_req checks)."""
     cls = backend_class(ctx.cfg.transfer_backend)
     backend = cls(**cls.env_options(ctx.envs))
@@ -29,15 +30,7 @@ def start_backend(ctx: RoleContext) -> tuple[TransferBackend, dict]:
     except AddressError:
         backend.close()
         raise
-    local = {
-        "backend": ctx.cfg.transfer_backend,
-        "page_size": layout.page_size,
-        "kv_dtype": layout.dtype,
-        "fingerprint": ctx.model_cfg.fingerprint(),
-        "layout": layout_to_dict(layout),
-        "endpoint": endpoint,
-    }
-    return backend, local
+    return backend, LocalFacts.of(ctx.cfg.transfer_backend, layout, ctx.model_cfg.fingerprint(), endpoint)
 
 
 def require_pd(req: GenerateReq, role: str) -> None:

@@ -14,6 +14,7 @@ from ..disagg.bootstrap_client import BootstrapClient, bootstrap_addr
 from ..disagg.bootstrap_table import RankInfo
 from ..disagg.kv_sender import PrefillSender
 from ..engine.sequence import StepOutput
+from ..transfer.base import Endpoint
 from .colocated import ColocatedRole
 from .pd_common import log_handoff, require_pd, start_backend
 from .pump import MessagePump
@@ -25,19 +26,19 @@ class PrefillRole(WorkerRole):
         cfg = self.ctx.cfg
         self.backend, self.local = start_backend(self.ctx)
         self.sender = PrefillSender(self.backend, self.dp_rank, self.local,
-                                    bootstrap_timeout=self.ctx.envs.bootstrap_timeout,
-                                    failed_ttl=self.ctx.envs.room_ttl, wake=self.ctx.wake)
+                                    bootstrap_timeout=self.ctx.pd.bootstrap_timeout,
+                                    failed_ttl=self.ctx.pd.room_ttl, wake=self.ctx.wake)
         self.pump = MessagePump(self.backend, self.ctx.wake)
         self.local_role = ColocatedRole(self.ctx)  # requests without PD fields (health checks)
         self.rooms: dict[str, int] = {}  # rid -> room
         self.first: dict[str, StepOutput] = {}
-        ep = self.local["endpoint"]
+        ep = self.local.endpoint
         info = RankInfo(dp_rank=self.dp_rank, dp_size=cfg.dp_size, rank_ip=ep["ip"], rank_port=ep["port"],
-                        page_size=self.local["page_size"], kv_cache_dtype=self.local["kv_dtype"],
+                        page_size=self.local.page_size, kv_cache_dtype=self.local.kv_dtype,
                         load_balance_method=cfg.load_balance_method,
-                        fingerprint=self.local["fingerprint"], endpoint=ep,
-                        transfer_backend=cfg.transfer_backend)
-        token = cfg.bootstrap_token or self.ctx.envs.bootstrap_token
+                        fingerprint=self.local.fingerprint, endpoint=ep,
+                        transfer_backend=self.local.backend)
+        token = self.ctx.pd.bootstrap_token
         with BootstrapClient(timeout=5.0, token=token) as client:
             # a KV request naming another instance was resolved before a restart: refused at once
             self.sender.instance_id = client.register_rank(
@@ -93,7 +94,7 @@ class PrefillRole(WorkerRole):
     def on_room_dropped(self, room: int, reason: str) -> None:
         self.sender.drop(room, reason)
 
-    def on_room_routed(self, room: int, rank: int, endpoint: dict) -> None:
+    def on_room_routed(self, room: int, rank: int, endpoint: Endpoint) -> None:
         self.sender.room_routed(room, rank, endpoint)
 
     def poll(self) -> list[TokenOutput]:

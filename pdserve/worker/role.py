@@ -7,14 +7,16 @@ step outputs to its `WorkerRole` and sends back whatever TokenOutputs the role r
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.config import ServerConfig
 from ..core.envs import Envs
 from ..core.messages import ErrorInfo, GenerateReq, TokenOutput
+from ..core.pd_settings import PDSettings
 from ..core.sampling import SamplingParams
 from ..engine.step_io import EngineRequest, StepOutput
+from ..transfer.base import Endpoint
 
 if TYPE_CHECKING:  # the engine loads torch; roles (and tests' fake engines) only call it
     from ..engine.engine import Engine
@@ -30,6 +32,10 @@ class RoleContext:
     envs: Envs
     model_cfg: Any  # model_files.hf_config.ModelConfig
     wake: Callable[[], None]  # thread-safe: make the worker loop turn now
+    pd: PDSettings = field(init=False)  # the PD switches and deadlines, from cfg and envs once
+
+    def __post_init__(self) -> None:
+        self.pd = PDSettings.of(self.cfg, self.envs)
 
 
 class WorkerRole(ABC):
@@ -60,7 +66,7 @@ class WorkerRole(ABC):
     def on_room_dropped(self, room: int, reason: str) -> None:
         """The room's decode prefilled it itself (prefill only): end it without a transfer."""
 
-    def on_room_routed(self, room: int, rank: int, endpoint: dict) -> None:
+    def on_room_routed(self, room: int, rank: int, endpoint: Endpoint) -> None:
         """The front sent `room`, homed on this rank, to `rank` (prefill only): forward its KV
         request there."""
 

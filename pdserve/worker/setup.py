@@ -9,18 +9,18 @@ import torch
 
 from ..core.config import ServerConfig
 from ..core.cpu_binding import rank_cpus, threads_for
-from ..engine.spin_governor import SpinGovernor, governor_for
-from ..engine.cpu_fused import load_fused_ops
 from ..engine.calibration import Forced, PlanCache, plan_for
+from ..engine.cpu_fused import load_fused_ops
 from ..engine.cpu_kernels import PagedAttentionKernel, load_paged_attention
 from ..engine.cpu_matmul import load_matmul
 from ..engine.cpu_plan import AttentionPath, ElementwisePath
 from ..engine.engine import Engine, EngineConfig
 from ..engine.kv_pool import KVPool
 from ..engine.linear import MatmulPath
-from ..model_files.resolve import cache_root
 from ..engine.loader import load_model
+from ..engine.spin_governor import SpinGovernor, governor_for
 from ..grammar.matcher import Matchers
+from ..model_files.resolve import cache_root
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 

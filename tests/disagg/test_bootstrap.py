@@ -11,9 +11,9 @@ import pytest
 from pdserve.core.errors import BadRequest, Unavailable
 from pdserve.core.launcher import free_port
 from pdserve.disagg.bootstrap_client import BootstrapClient, BootstrapError, bootstrap_addr
-from pdserve.disagg.prefill_peers import PrefillPeers
 from pdserve.disagg.bootstrap_server import MAX_QUERY_ROOMS, ThreadedBootstrap
 from pdserve.disagg.bootstrap_table import BootstrapTable, RankInfo
+from pdserve.disagg.prefill_peers import PrefillPeers
 
 FP = {"architecture": "LlamaForCausalLM", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16}
 

@@ -6,12 +6,25 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.core.kv_layout import KVLayout
 from pdserve.disagg.bootstrap_table import RankInfo
 from pdserve.disagg.decode_admission import HandoffQueue
-from pdserve.disagg.decode_events import (CancelResolve, DecodeAccept, DecodeReport, GiveUp, PagesReserved,
-                                          RankResolved, Reservation, Reserve, Resolve, SendAbort, SendKvReq)
+from pdserve.disagg.decode_events import (
+    CancelResolve,
+    DecodeAccept,
+    DecodeReport,
+    GiveUp,
+    PagesReserved,
+    RankResolved,
+    Reservation,
+    Reserve,
+    Resolve,
+    SendAbort,
+    SendKvReq,
+)
 from pdserve.disagg.decode_machine import DecodeHandoffs
 from pdserve.disagg.decode_rooms import DecodeState
+from pdserve.disagg.local_facts import LocalFacts
 from pdserve.disagg.machine_events import Tick
 from pdserve.disagg.resolution import Resolved
 
@@ -19,8 +32,9 @@ D = DecodeState
 ADDR = "10.0.0.1:8998"
 PROMPT = 10
 EP = {"backend": "fake", "ip": "10.0.0.1", "port": 9000}
-LOCAL = {"backend": "fake", "endpoint": {"backend": "fake", "ip": "10.0.0.2", "port": 7000},
-         "layout": {"regions": 4}, "page_size": 4, "kv_dtype": "float32", "fingerprint": {}}
+LOCAL = LocalFacts.of("fake", KVLayout(base_ptr=0, num_regions=4, num_pages=16, page_bytes=64, region_stride=1024,
+                                       page_size=4, dtype="float32"),
+                      {}, {"backend": "fake", "ip": "10.0.0.2", "port": 7000})
 A, B, C, E = 1, 2, 3, 4
 
 
@@ -180,14 +194,13 @@ def test_a_refusal_makes_room_for_the_next_accept():
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.harness.tiny_model import make_tiny_model  # noqa: E402
-
 from pdserve.core.sampling import SamplingParams  # noqa: E402
 from pdserve.engine.engine import Engine, EngineConfig  # noqa: E402
 from pdserve.engine.kv_pool import KVPool  # noqa: E402
 from pdserve.engine.loader import load_model  # noqa: E402
 from pdserve.engine.sequence import EngineRequest  # noqa: E402
 from pdserve.worker.admission import GenerationReserve, PoolArithmetic  # noqa: E402
+from tests.harness.tiny_model import make_tiny_model  # noqa: E402
 
 PAGE = 4
 

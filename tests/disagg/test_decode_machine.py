@@ -8,17 +8,38 @@ import logging
 import msgspec
 import pytest
 
+from pdserve.core.kv_layout import KVLayout
 from pdserve.disagg import wire
 from pdserve.disagg.bootstrap_table import RankInfo
-from pdserve.disagg.decode_events import (Abort, CancelResolve, DecodeAccept, DecodeReport, FromPrefill,
-                                          GiveUp, Invalidate, KvReqSent, Log, Malformed, PagesReserved, PeerAlive,
-                                          PeerGone, RankResolved, Release, Reservation, Reserve, Resolve, SendAbort,
-                                          SendKvReq)
+from pdserve.disagg.decode_events import (
+    Abort,
+    CancelResolve,
+    DecodeAccept,
+    DecodeReport,
+    FromPrefill,
+    GiveUp,
+    Invalidate,
+    KvReqSent,
+    Log,
+    Malformed,
+    PagesReserved,
+    PeerAlive,
+    PeerGone,
+    RankResolved,
+    Release,
+    Reservation,
+    Reserve,
+    Resolve,
+    SendAbort,
+    SendKvReq,
+)
 from pdserve.disagg.decode_machine import DecodeHandoffs
 from pdserve.disagg.decode_rooms import DECODE_TRANSITIONS, DecodeState
 from pdserve.disagg.handoff import TRANSITIONS, HandoffDone, HandoffState, IllegalTransition, Side
+from pdserve.disagg.local_facts import LocalFacts
 from pdserve.disagg.machine_events import Tick
 from pdserve.disagg.resolution import Resolved
+from pdserve.transfer.base import layout_to_dict
 
 D, H = DecodeState, HandoffState
 ADDR, ADDR_B = "10.0.0.1:8998", "10.0.0.9:8998"
@@ -26,8 +47,9 @@ ROOM, RID, PROMPT = 77, "d-77", 10
 FP = {"architecture": "LlamaForCausalLM", "num_layers": 2}
 P_EP = {"backend": "fake", "ip": "10.0.0.1", "port": 9000}  # prefill rank 0
 HOLDER_EP = {"backend": "fake", "ip": "10.0.0.3", "port": 9100}  # prefill rank 1
-LOCAL = {"backend": "fake", "endpoint": {"backend": "fake", "ip": "10.0.0.2", "port": 7000},
-         "layout": {"regions": 4}, "page_size": 4, "kv_dtype": "float32", "fingerprint": FP}
+LOCAL = LocalFacts.of("fake", KVLayout(base_ptr=0, num_regions=4, num_pages=16, page_bytes=64, region_stride=1024,
+                                       page_size=4, dtype="float32"),
+                      FP, {"backend": "fake", "ip": "10.0.0.2", "port": 7000})
 PAGES = Reservation([9, 3, 4])
 RESOLVED_STAGES = {"topology_lookup": 100.0, "rank_resolution": 100.5}
 WAITING_STAGES = {**RESOLVED_STAGES, "preallocation": 200.0, "metadata_sent": 300.0}
@@ -53,14 +75,15 @@ def resolved(room: int = ROOM, rank: int = 0, instance: str = "inst-1", addr: st
 
 
 def kv_req(room: int = ROOM, got: Reservation = PAGES, rank: int = 0, instance: str = "inst-1") -> wire.KvReq:
-    return wire.KvReq(room=room, dst_pages=got.pages[got.reused_pages:], prompt_len=PROMPT, layout=LOCAL["layout"],
-                      endpoint=LOCAL["endpoint"], page_size=4, kv_dtype="float32", fingerprint=FP, backend="fake",
+    return wire.KvReq(room=room, dst_pages=got.pages[got.reused_pages:], prompt_len=PROMPT,
+                      layout=layout_to_dict(LOCAL.layout),
+                      endpoint=LOCAL.endpoint, page_size=4, kv_dtype="float32", fingerprint=FP, backend="fake",
                       decode_rank=1, prefill_rank=rank, prefill_instance=instance,
                       reused_pages=got.reused_pages, reused_key=got.reused_key)
 
 
 def send_abort(reason: str, room: int = ROOM, peer: dict = P_EP) -> SendAbort:
-    return SendAbort(room, peer, wire.KvAbort(room=room, reason=reason, decode_rank=1, endpoint=LOCAL["endpoint"]))
+    return SendAbort(room, peer, wire.KvAbort(room=room, reason=reason, decode_rank=1, endpoint=LOCAL.endpoint))
 
 
 def fin(room: int = ROOM, ok: bool = False, reason: str = "", aux: dict | None = None,

@@ -7,8 +7,14 @@ import pytest
 from pdserve.core.config import Role
 from pdserve.core.errors import BadRequest
 from pdserve.disagg.bootstrap_table import Topology
-from pdserve.disagg.dp_rules import (PrefillDecision, Resolution, check_room, decide_prefill_rank,
-                                     effective_method, resolve_prefill_rank)
+from pdserve.disagg.dp_rules import (
+    PrefillDecision,
+    Resolution,
+    check_room,
+    decide_prefill_rank,
+    effective_method,
+    resolve_prefill_rank,
+)
 
 FOLLOW = "follow_bootstrap_room"
 ROOM = 1001  # 1001 % 4 == 1

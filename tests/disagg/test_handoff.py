@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from pdserve.disagg.handoff import Handoff, HandoffState, IllegalTransition, Side, TRANSITIONS
+from pdserve.disagg.handoff import TRANSITIONS, Handoff, HandoffState, IllegalTransition, Side
 
 B, W, T, OK, F = (HandoffState.BOOTSTRAPPING, HandoffState.WAITING_FOR_INPUT,
                   HandoffState.TRANSFERRING, HandoffState.SUCCESS, HandoffState.FAILED)

@@ -18,11 +18,22 @@ from pdserve.disagg.bootstrap_table import RankInfo
 from pdserve.disagg.handoff import HandoffState
 from pdserve.disagg.kv_receiver import DecodeReceiver, ReceiverLimits
 from pdserve.disagg.kv_sender import PrefillSender
+from pdserve.disagg.local_facts import LocalFacts
 from pdserve.disagg.resolution import Resolved
-from pdserve.transfer.base import layout_to_dict
 from pdserve.transfer.fake import FakeBackend, FakeFabric
-from tests.harness.handoff_harness import (AUX, FP, PAGE_SIZE, PROMPT, SRC, FakePrefillLink, PagePool, make_memory, pages_of,
-                             poll_until, pump)
+from tests.harness.handoff_harness import (
+    AUX,
+    FP,
+    PAGE_SIZE,
+    PROMPT,
+    SRC,
+    FakePrefillLink,
+    PagePool,
+    make_memory,
+    pages_of,
+    poll_until,
+    pump,
+)
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]
 S = HandoffState
@@ -80,8 +91,7 @@ def trio(request) -> Trio:
     mems = [make_memory(seed=7), make_memory(seed=8), make_memory(seed=None)]
     bes = [FakeBackend(fabric) for _ in mems]
     eps = [be.start(layout) for be, (_, layout) in zip(bes, mems)]
-    common = {"backend": "fake", "page_size": PAGE_SIZE, "kv_dtype": "float32", "fingerprint": FP}
-    local = [{**common, "layout": layout_to_dict(layout), "endpoint": ep} for (_, layout), ep in zip(mems, eps)]
+    local = [LocalFacts.of("fake", layout, FP, ep) for (_, layout), ep in zip(mems, eps)]
     home = PrefillSender(bes[0], 0, local[0], bootstrap_timeout=30.0, instance_id="inst-1")
     holder = PrefillSender(bes[1], HOLDER, local[1], bootstrap_timeout=30.0, instance_id="inst-1")
     pool = PagePool([9, 3, 4, 12, 13, 14])

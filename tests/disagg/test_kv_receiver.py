@@ -10,15 +10,28 @@ import pytest
 
 from pdserve.disagg import wire
 from pdserve.disagg.bootstrap_client import BootstrapClient, Health
-from pdserve.disagg.prefill_peers import PrefillPeers
 from pdserve.disagg.bootstrap_server import ThreadedBootstrap
 from pdserve.disagg.bootstrap_table import BootstrapTable, RankInfo
 from pdserve.disagg.decode_rooms import DecodeState
 from pdserve.disagg.handoff import HandoffState
 from pdserve.disagg.heartbeat import Heartbeat
 from pdserve.disagg.prefill_link import LinkSettings, PrefillLink
-from tests.harness.handoff_harness import (ADDR, AUX, FP, PAGE_SIZE, PROMPT, ROOM, SRC, WAIT_S, Link, assert_idle,
-                             assert_pages_landed, make_link, pump)
+from pdserve.disagg.prefill_peers import PrefillPeers
+from tests.harness.handoff_harness import (
+    ADDR,
+    AUX,
+    FP,
+    PAGE_SIZE,
+    PROMPT,
+    ROOM,
+    SRC,
+    WAIT_S,
+    Link,
+    assert_idle,
+    assert_pages_landed,
+    make_link,
+    pump,
+)
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]
 

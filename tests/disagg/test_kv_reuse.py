@@ -8,12 +8,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.harness.handoff_harness import (ADDR, AUX, PAGE_BYTES, PAGE_SIZE, PROMPT, REGIONS, ROOM, SRC, Link, assert_idle,
-                             make_link, pages_of)
 from pdserve.core.failures import FailureCause
 from pdserve.core.page_keys import prefix_key
 from pdserve.disagg import wire
 from pdserve.disagg.decode_events import Reservation
+from tests.harness.handoff_harness import (
+    ADDR,
+    AUX,
+    PAGE_BYTES,
+    PAGE_SIZE,
+    PROMPT,
+    REGIONS,
+    ROOM,
+    SRC,
+    Link,
+    assert_idle,
+    make_link,
+    pages_of,
+)
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]
 IDS = list(range(100, 100 + PROMPT))

@@ -11,8 +11,20 @@ import pytest
 
 from pdserve.disagg import wire
 from pdserve.disagg.handoff import HandoffState
-from tests.harness.handoff_harness import (ADDR, AUX, FP, PAGE_BYTES, PROMPT, REGIONS, ROOM, SRC, WAIT_S, Link, assert_idle,
-                             assert_pages_landed, make_link)
+from tests.harness.handoff_harness import (
+    ADDR,
+    AUX,
+    FP,
+    PAGE_BYTES,
+    PROMPT,
+    REGIONS,
+    ROOM,
+    SRC,
+    WAIT_S,
+    assert_idle,
+    assert_pages_landed,
+    make_link,
+)
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]
 S = HandoffState

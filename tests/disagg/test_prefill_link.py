@@ -18,8 +18,8 @@ from pdserve.disagg.decode_events import GiveUp, Invalidate, RankResolved, Resol
 from pdserve.disagg.handoff import HandoffState
 from pdserve.disagg.link_api import Inbox
 from pdserve.disagg.prefill_link import LinkSettings, PrefillLink
-from tests.harness.handoff_harness import AUX, FP, PAGE_SIZE, PROMPT, SRC, WAIT_S, Link, make_link, poll_until
 from tests.harness.cluster import free_port
+from tests.harness.handoff_harness import AUX, FP, PAGE_SIZE, PROMPT, SRC, WAIT_S, Link, make_link, poll_until
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]
 S = HandoffState

@@ -10,20 +10,36 @@ import msgspec
 import pytest
 
 from pdserve.core.failures import FailureCause
+from pdserve.core.kv_layout import KVLayout
 from pdserve.core.page_keys import prefix_key
 from pdserve.disagg import wire
 from pdserve.disagg.handoff import TRANSITIONS as HANDOFF_TRANSITIONS
 from pdserve.disagg.handoff import HandoffDone, HandoffState, IllegalTransition, Side
+from pdserve.disagg.local_facts import LocalFacts
 from pdserve.disagg.machine_events import Tick
-from pdserve.disagg.prefill_events import (Drop, Fail, FromDecode, MarkFailed, PrefillAccept, PrefillDone,
-                                           PrefillReport, RoomRouted, Send, StartWrite, WriteFacts, WriteReturned)
+from pdserve.disagg.prefill_events import (
+    Drop,
+    Fail,
+    FromDecode,
+    MarkFailed,
+    PrefillAccept,
+    PrefillDone,
+    PrefillReport,
+    RoomRouted,
+    Send,
+    StartWrite,
+    WriteFacts,
+    WriteReturned,
+)
 from pdserve.disagg.prefill_machine import PrefillHandoffs
 from pdserve.disagg.prefill_rooms import TRANSITIONS, RoomState
 
 R = RoomState
 C = FailureCause
 FP = {"architecture": "LlamaForCausalLM", "num_layers": 2, "num_kv_heads": 2, "head_dim": 4}
-LOCAL = {"backend": "fake", "page_size": 4, "kv_dtype": "float32", "fingerprint": FP}
+LOCAL = LocalFacts.of("fake", KVLayout(base_ptr=0, num_regions=4, num_pages=16, page_bytes=64, region_stride=1024,
+                                       page_size=4, dtype="float32"),
+                      FP, {"backend": "fake", "ip": "10.0.0.1", "port": 7000})
 DEC = {"backend": "fake", "ip": "10.0.0.2", "port": 7001}  # the decode's endpoint
 OTHER = {"backend": "fake", "ip": "10.0.0.9", "port": 7009}  # some other sender
 HOLDER = {"backend": "fake", "ip": "10.0.0.3", "port": 7002}  # the rank that holds a forwarded room

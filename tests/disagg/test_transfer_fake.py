@@ -9,8 +9,14 @@ import numpy as np
 import pytest
 
 from pdserve.core.kv_layout import KVLayout
-from pdserve.transfer import (TransferError, backend_class, backend_names, create_backend,
-                              layout_from_dict, layout_to_dict)
+from pdserve.transfer import (
+    TransferError,
+    backend_class,
+    backend_names,
+    create_backend,
+    layout_from_dict,
+    layout_to_dict,
+)
 from pdserve.transfer.base import joint_runs, plan_copies
 from pdserve.transfer.fake import FakeBackend, FakeFabric
 

@@ -19,7 +19,6 @@ import pytest
 from pdserve.core.envs import Envs
 from pdserve.transfer import TransferError, create_backend, layout_to_dict
 from pdserve.transfer import mooncake as mc
-
 from tests.harness.transfer_pools import BackendPair, Pool, recv_until  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)

@@ -20,10 +20,8 @@ import numpy as np
 import pytest
 
 from pdserve.core.kv_layout import KVLayout
-from pdserve.transfer import TransferError, create_backend, layout_to_dict
+from pdserve.transfer import TransferError, create_backend, layout_to_dict, nixl_agent, nixl_gate
 from pdserve.transfer import nixl as nx
-from pdserve.transfer import nixl_agent, nixl_gate
-
 from tests.harness.transfer_pools import BackendPair, Pool, recv_until  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)

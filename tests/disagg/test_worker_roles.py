@@ -34,8 +34,8 @@ from pdserve.worker import pd_common
 from pdserve.worker.decode import DecodeRole
 from pdserve.worker.prefill import PrefillRole
 from pdserve.worker.role import RoleContext, WorkerRole
-from tests.harness.handoff_harness import GatedBackend
 from tests.harness.fake_engine import FakeEngine, StepOutput, fake_continuation, fake_logprob
+from tests.harness.handoff_harness import GatedBackend
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]
 
@@ -589,7 +589,8 @@ def test_decode_prefills_itself_when_the_prefill_is_overloaded(pd, when):
     d, p = pd.decode.final("d-1"), pd.prefill.final("p-1")
     assert d.error is None and pd.decode.tokens("d-1") == fake_continuation(PROMPT, 4, VOCAB)
     first_meta = pd.decode.outputs["d-1"][0].meta
-    assert first_meta["disaggregation"] == "local" and "5000 prompt tokens in flight" in first_meta["local_prefill_reason"]
+    assert (first_meta["disaggregation"] == "local"
+            and "5000 prompt tokens in flight" in first_meta["local_prefill_reason"])
     assert p.error is None and p.token_ids == [] and p.meta["disaggregation"] == "dropped"
     assert pd.decode.engine.reserve_calls == []  # nothing reserved for a transfer
 

@@ -13,17 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.core.launcher import ProcessGroup, free_port
 from pdserve.bench.arrivals import ArrivalKind, arrival_offsets
-from pdserve.bench.backends import (BackendOptions, OpenAIChatBackend, OpenAICompletionsBackend,
-                                    PDServeBackend, StreamState)
+from pdserve.bench.backends import (
+    BackendOptions,
+    OpenAIChatBackend,
+    OpenAICompletionsBackend,
+    PDServeBackend,
+    StreamState,
+)
 from pdserve.bench.conversations import make_conversations, turn_request
-from pdserve.bench.datasets import (WORDS, TokenCounter, file_requests, random_requests,
-                                    shared_prefix_requests)
-from pdserve.bench.metrics import (RequestRecord, format_summary, parse_slo, percentile, stats_ms,
-                                   summarize)
-from pdserve.bench.serve import (BenchConfig, BenchError, build_bench_parser, load_conversations,
-                                 run, run_bench)
+from pdserve.bench.datasets import WORDS, TokenCounter, file_requests, random_requests, shared_prefix_requests
+from pdserve.bench.metrics import RequestRecord, format_summary, parse_slo, percentile, stats_ms, summarize
+from pdserve.bench.serve import BenchConfig, BenchError, build_bench_parser, load_conversations, run, run_bench
+from pdserve.core.launcher import ProcessGroup, free_port
 
 STUB = Path(__file__).resolve().parents[1] / "harness" / "stub_openai_server.py"
 START_DEADLINE_S = 30.0

@@ -15,9 +15,9 @@ import time
 import pytest
 
 from pdserve.bench import sweep as sw  # noqa: E402
-from pdserve.core.launcher import ProcessGroup  # noqa: E402
 from pdserve.bench.metrics import RequestRecord, summarize  # noqa: E402
 from pdserve.bench.plots import PLOT_FILES, write_plots  # noqa: E402
+from pdserve.core.launcher import ProcessGroup  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

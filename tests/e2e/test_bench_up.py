@@ -13,14 +13,20 @@ import sys
 import uuid
 
 import pytest
-
-from tests.harness.cluster import ROOT  # noqa: E402
 from test_up import MARK, marked_pids, wait_for  # noqa: E402
-from tests.harness.tiny_model import make_tiny_model  # noqa: E402
 
-from pdserve.bench.up_bench import (Run, SystemResult, combine, comparison, format_results,
-                                    prometheus_counters, run_systems)
 from pdserve.bench.metrics import RequestRecord, summarize
+from pdserve.bench.up_bench import (
+    Run,
+    SystemResult,
+    combine,
+    comparison,
+    format_results,
+    prometheus_counters,
+    run_systems,
+)
+from tests.harness.cluster import ROOT  # noqa: E402
+from tests.harness.tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

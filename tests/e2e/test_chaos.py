@@ -3,15 +3,16 @@ two prefill and two decode servers (tiny model), load for 16 s while workers and
 killed and restarted, prefill workers stalled and router<->server connections cut (these two
 drawn more often: a restart costs seconds). No request
 may hang or come back wrong, no page may be stranded, every server must come back, the fds and
-threads of the router and of every server process that lived through the run stay flat. The long run and its figures are in docs/reliability.md.
+threads of the router and of every server process that lived through the run stay flat. The long
+run and its figures are in docs/reliability.md.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.harness.fault_tools import shared_tiny_model  # noqa: E402
 from pdserve.bench import chaos
+from tests.harness.fault_tools import shared_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.soak, pytest.mark.timeout(300)]
 

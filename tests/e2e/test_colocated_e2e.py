@@ -11,7 +11,6 @@ import json
 import httpx
 import pytest
 
-from tests.harness.cluster import Server  # noqa: E402
 from tests.harness.fault_tools import KnobServer  # noqa: E402
 from tests.harness.tiny_model import make_tiny_model  # noqa: E402
 

@@ -8,8 +8,7 @@ import os
 import pytest
 
 from pdserve.core.config import ServerConfig
-from pdserve.core.cpu_binding import (CpuBindError, parse_cpus, rank_cpus, split_among_servers, threads_for,
-                                      up_layout)
+from pdserve.core.cpu_binding import CpuBindError, parse_cpus, rank_cpus, split_among_servers, threads_for, up_layout
 from pdserve.core.wait_policy import WaitChoice
 from pdserve.server.worker_cmd import wait_choice, worker_env
 

@@ -11,10 +11,9 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from tests.harness.cluster import Server  # noqa: E402
-
 from pdserve.core.envs import Envs  # noqa: E402
 from pdserve.model_files import resolve_model  # noqa: E402
+from tests.harness.cluster import Server  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 NEW = 24

@@ -18,8 +18,21 @@ import httpx
 import pytest
 
 from tests.harness.cluster import FAST_ENV, pd_body, stop_all  # noqa: E402
-from tests.harness.fault_tools import (KnobServer, Legs, assert_failed, flush_cache, decoding, error_of, kv_req_sent,  # noqa: E402
-                         prefilling, room_on, shared_tiny_model, status, transferring, wait_for)
+from tests.harness.fault_tools import (  # noqa: E402
+    KnobServer,
+    Legs,
+    assert_failed,
+    decoding,
+    error_of,
+    flush_cache,
+    kv_req_sent,
+    prefilling,
+    room_on,
+    shared_tiny_model,
+    status,
+    transferring,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -18,8 +18,20 @@ import pytest
 
 from tests.harness.cluster import pd_body, stop_all  # noqa: E402
 from tests.harness.fault_stubs import BootstrapStub, StallingPeer  # noqa: E402
-from tests.harness.fault_tools import (KnobServer, Legs, Router, assert_failed, flush_cache, decoding, error_of, prefilling,  # noqa: E402
-                         room_on, shared_tiny_model, transferring, wait_for)
+from tests.harness.fault_tools import (  # noqa: E402
+    KnobServer,
+    Legs,
+    Router,
+    assert_failed,
+    decoding,
+    error_of,
+    flush_cache,
+    prefilling,
+    room_on,
+    shared_tiny_model,
+    transferring,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

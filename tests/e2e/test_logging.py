@@ -13,11 +13,16 @@ import re
 
 import pytest
 
+from pdserve.core.log_format import (  # noqa: E402
+    QUIET_LIBRARIES,
+    ContextFilter,
+    LogContext,
+    configure_logging,
+    fields,
+    make_formatter,
+)
 from tests.harness.cluster import Server, pd_body, post_both, run  # noqa: E402
 from tests.harness.tiny_model import make_tiny_model  # noqa: E402
-
-from pdserve.core.log_format import (QUIET_LIBRARIES, ContextFilter, LogContext, configure_logging,  # noqa: E402
-                                     fields, make_formatter)
 
 KV = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
 

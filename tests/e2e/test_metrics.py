@@ -20,20 +20,16 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness.cluster import ROOT, Server, free_port, pd_body, post_both, run, stop_all  # noqa: E402
-from tests.harness.fake_worker import write_fake_model  # noqa: E402
-from tests.harness.handoff_harness import FakePrefillLink  # noqa: E402
-from tests.harness.tiny_model import make_tiny_model  # noqa: E402
-
 from pdserve.core.errors import BadRequest  # noqa: E402
-from pdserve.core.launcher import ProcessGroup, http_ok  # noqa: E402
 from pdserve.core.kv_layout import KVLayout  # noqa: E402
+from pdserve.core.launcher import ProcessGroup, http_ok  # noqa: E402
 from pdserve.core.messages import ErrorInfo, TokenOutput, WorkerStats  # noqa: E402
 from pdserve.core.sampling import SamplingParams  # noqa: E402
 from pdserve.disagg.bootstrap_table import RankInfo  # noqa: E402
-from pdserve.disagg.kv_receiver import DecodeReceiver, ReceiverLimits  # noqa: E402
 from pdserve.disagg.decode_events import RankResolved  # noqa: E402
+from pdserve.disagg.kv_receiver import DecodeReceiver, ReceiverLimits  # noqa: E402
 from pdserve.disagg.kv_sender import PrefillSender  # noqa: E402
+from pdserve.disagg.local_facts import LocalFacts  # noqa: E402
 from pdserve.disagg.resolution import Resolved  # noqa: E402
 from pdserve.router.metrics import RouterMetrics  # noqa: E402
 from pdserve.server.metrics import FrontMetrics  # noqa: E402
@@ -41,8 +37,11 @@ from pdserve.server.protocol import RequestItem  # noqa: E402
 from pdserve.server.request_state import ItemProgress  # noqa: E402
 from pdserve.server.tokenizer import ServerTokenizer  # noqa: E402
 from pdserve.transfer import tcp_wire  # noqa: E402
-from pdserve.transfer.base import layout_to_dict  # noqa: E402
 from pdserve.transfer.tcp import TcpBackend  # noqa: E402
+from tests.harness.cluster import ROOT, Server, free_port, pd_body, post_both, run, stop_all  # noqa: E402
+from tests.harness.fake_worker import write_fake_model  # noqa: E402
+from tests.harness.handoff_harness import FakePrefillLink  # noqa: E402
+from tests.harness.tiny_model import make_tiny_model  # noqa: E402
 
 PAGE_SIZE = 4  # tests/harness/cluster.py starts servers with --page-size 4
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # layers x (K, V) x kv heads x head dim x float32 (tiny model)
@@ -187,13 +186,11 @@ def test_transfer_speed_is_bytes_over_the_backends_own_write_calls(monkeypatch):
     pb, db = TcpBackend(), TcpBackend()
     fp = {"architecture": "x", "num_layers": 1}
     try:
-        locs = [{"backend": "tcp", "page_size": PAGE_SIZE, "kv_dtype": "float32", "fingerprint": fp,
-                 "layout": layout_to_dict(lay), "endpoint": be.start(lay)}
-                for be, lay in ((pb, p_layout), (db, d_layout))]
+        locs = [LocalFacts.of("tcp", lay, fp, be.start(lay)) for be, lay in ((pb, p_layout), (db, d_layout))]
         sender = PrefillSender(pb, 0, locs[0], bootstrap_timeout=30)
         receiver = DecodeReceiver(db, 1, locs[1], link=FakePrefillLink(), reserve=lambda rid, n: list(range(pages)),
                                   limits=ReceiverLimits(waiting_timeout=30))
-        ep = locs[0]["endpoint"]
+        ep = locs[0].endpoint
         info = RankInfo(dp_rank=0, dp_size=1, rank_ip=ep["ip"], rank_port=ep["port"], page_size=PAGE_SIZE,
                         kv_cache_dtype="float32", load_balance_method="auto", fingerprint=fp, endpoint=ep,
                         transfer_backend="tcp")

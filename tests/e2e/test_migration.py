@@ -21,9 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from pdserve.bench.tcp_proxy import TcpProxy
 from tests.harness.cluster import Server
 from tests.harness.fault_tools import KnobServer, Legs, Router, decoding, wait_for
-from pdserve.bench.tcp_proxy import TcpProxy
 from tests.harness.shared_servers import COLOCATED
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]

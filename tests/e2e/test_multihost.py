@@ -28,14 +28,25 @@ import types
 import httpx
 import pytest
 
-from tests.harness import netns  # noqa: E402
 from pdserve.bench.tcp_proxy import TcpProxy  # noqa: E402
 from pdserve.core.launcher import free_port  # noqa: E402
-from tests.harness.cluster import ROOT, Server  # noqa: E402
 from pdserve.transfer.mooncake import import_problem as mooncake_problem  # noqa: E402
 from pdserve.transfer.nixl import import_problem as nixl_problem  # noqa: E402
-from tests.harness.fault_tools import (KnobServer, Legs, error_of, flush_cache, prefilling, shared_tiny_model,  # noqa: E402
-                         transferring, wait_for)
+from tests.harness import netns  # noqa: E402
+from tests.harness.cluster import (  # noqa: E402
+    ROOT,
+    Server,
+)
+from tests.harness.fault_tools import (  # noqa: E402
+    KnobServer,
+    Legs,
+    error_of,
+    flush_cache,
+    prefilling,
+    shared_tiny_model,
+    transferring,
+    wait_for,
+)
 
 _why = netns.unavailable()
 if _why:

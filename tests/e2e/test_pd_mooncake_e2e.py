@@ -16,10 +16,9 @@ import time
 import httpx
 import pytest
 
+from pdserve.transfer.mooncake import import_problem  # noqa: E402
 from tests.harness.cluster import Server, pd_body, post_both, run  # noqa: E402
 from tests.harness.shared_servers import COLOCATED, DECODE, borrow  # noqa: E402
-
-from pdserve.transfer.mooncake import import_problem  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 # servers borrowed from the session's shared ones (shared_servers.py)

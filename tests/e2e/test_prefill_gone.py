@@ -18,10 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from pdserve.disagg.handoff import HandoffState  # noqa: E402
 from tests.harness.cluster import FAST_ENV, Server, pd_body, start_all, stop_all  # noqa: E402
 from tests.harness.fault_tools import assert_failed, shared_tiny_model, wait_for  # noqa: E402
-
-from pdserve.disagg.handoff import HandoffState  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 HEARTBEAT = {"PDSERVE_HEARTBEAT_INTERVAL": "1.0", "PDSERVE_HEARTBEAT_MAX_FAILURE": "3"}  # a 3 s verdict

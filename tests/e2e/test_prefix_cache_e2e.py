@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from tests.harness.cluster import Server, pd_body, post_both, run  # noqa: E402
-from tests.harness.shared_servers import DECODE, DECODE_DP2, PREFILL_DP2, borrow  # noqa: E402
 from tests.harness.prefix_tools import expected_cached  # noqa: E402
+from tests.harness.shared_servers import DECODE, DECODE_DP2, PREFILL_DP2, borrow  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 # servers borrowed from the session's shared ones (shared_servers.py)

@@ -120,7 +120,8 @@ def test_flush_cache_reaches_every_server(router, reference, servers):
     got = r.json()
     assert got["success"] and {x["url"] for x in got["servers"]} == {P.url, D.url}
     assert sum(x["flushed_pages"] for x in got["servers"]) == before
-    assert all(w["cached_pages"] == 0 and w["free_pages"] == w["total_pages"] for s in (P, D) for w in s.info()["workers"])
+    assert all(w["cached_pages"] == 0 and w["free_pages"] == w["total_pages"]
+               for s in (P, D) for w in s.info()["workers"])
 
 
 def test_generate_batch_equals_colocated(router, reference):

@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
 from test_router import base, error_of, procs, wait_for  # noqa: F401  (fixtures, by name)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]

@@ -15,7 +15,10 @@ import httpx
 import pytest
 
 from pdserve.core.launcher import LaunchError, ProcessGroup, free_port
-from tests.harness.cluster import ROOT, Server  # noqa: E402
+from tests.harness.cluster import (  # noqa: E402
+    ROOT,
+    Server,
+)
 from tests.harness.shared_servers import COLOCATED, DECODE, PREFILL_DP2, borrow  # noqa: E402
 
 pytest.importorskip("sglang_router")

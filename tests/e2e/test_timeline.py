@@ -11,12 +11,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.harness.cluster import Server, pd_body, post_both, run, stop_all  # noqa: E402
-from tests.harness.tiny_model import make_tiny_model  # noqa: E402
-
 from pdserve.core.messages import TokenOutput  # noqa: E402
 from pdserve.core.timeline import ORDER, Stage, build_timeline  # noqa: E402
 from pdserve.worker.queue_clock import QueueClock  # noqa: E402
+from tests.harness.cluster import Server, pd_body, post_both, run, stop_all  # noqa: E402
+from tests.harness.tiny_model import make_tiny_model  # noqa: E402
 
 DECODE_STAGES = [Stage.ARRIVAL, Stage.DISPATCH, Stage.TOPOLOGY_LOOKUP, Stage.RANK_RESOLUTION,
                  Stage.PREALLOCATION, Stage.METADATA_SENT, Stage.FIRST_KV_BYTE, Stage.LAST_KV_BYTE,

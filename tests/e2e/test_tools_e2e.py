@@ -42,7 +42,8 @@ def srv(tmp_path_factory):
     with open(f"{d}/generation_config.json", "w") as f:
         json.dump({"temperature": 0.3, "top_k": 5, "eos_token_id": 2}, f)
     s = ScriptedServer("colocated", d, extra=["--served-model-name", "tiny", "tiny-alias", "--reasoning-parser",
-                                              "qwen3", "--max-total-tokens", "8192"], env={"FAKE_WORKER_STEP_S": "0.002"},
+                                              "qwen3", "--max-total-tokens", "8192"],
+                       env={"FAKE_WORKER_STEP_S": "0.002"},
                        log_dir=str(tmp_path_factory.mktemp("logs")))
     try:
         yield s.wait_ready(60)

@@ -18,7 +18,9 @@ import httpx
 import pytest
 
 from pdserve.core.launcher import ProcessGroup, free_port
-from tests.harness.cluster import ROOT  # noqa: E402
+from tests.harness.cluster import (
+    ROOT,  # noqa: E402
+)
 from tests.harness.tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]

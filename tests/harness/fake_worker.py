@@ -39,8 +39,12 @@ from pdserve.worker.colocated import ColocatedRole
 from pdserve.worker.loop import WorkerLoop
 from pdserve.worker.role import RoleContext, error_output
 
-from .fake_engine import FakeEngine, FakeModelConfig, next_token
-from .fake_engine import fake_logprob  # noqa: F401  (front tests expect the worker's logprobs)
+from .fake_engine import (
+    FakeEngine,
+    FakeModelConfig,
+    fake_logprob,  # noqa: F401  (front tests expect the worker's logprobs)
+    next_token,
+)
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

@@ -7,6 +7,7 @@ import asyncio
 import socket
 import threading
 
+
 class BootstrapStub:
     """An aiohttp proxy in front of a real bootstrap service, on its own thread and port.
     `mode`: "pass" forwards; "slow" forwards after `delay` seconds; "error" answers `status`.

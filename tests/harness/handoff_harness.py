@@ -5,23 +5,24 @@ message pumps and polls with deadlines. Fixtures over it live in tests/conftest.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+
 from pdserve.core.kv_layout import KVLayout
 from pdserve.disagg import wire
 from pdserve.disagg.bootstrap_table import RankInfo
-from pdserve.disagg.decode_events import (CancelResolve, GiveUp, Invalidate, PeerAlive, PeerGone, RankResolved,
-                                          Resolve)
+from pdserve.disagg.decode_events import CancelResolve, GiveUp, Invalidate, PeerAlive, PeerGone, RankResolved, Resolve
 from pdserve.disagg.handoff import HandoffState
 from pdserve.disagg.kv_receiver import DecodeReceiver, ReceiverLimits
-from pdserve.disagg.link_api import Inbox, LinkEffect, PeerLink
 from pdserve.disagg.kv_sender import PrefillSender
+from pdserve.disagg.link_api import Inbox, LinkEffect, PeerLink
+from pdserve.disagg.local_facts import LocalFacts
 from pdserve.disagg.resolution import Resolved
-from pdserve.transfer.base import layout_to_dict
 from pdserve.transfer.fake import FakeBackend, FakeFabric
 
 S = HandoffState
@@ -160,8 +161,8 @@ class Link:
     receiver: DecodeReceiver
     prefills: PeerLink  # the receiver's link: a FakePrefillLink unless make_link was given one
     pool: PagePool
-    p_local: dict
-    d_local: dict
+    p_local: dict  # the prefill's facts in their wire spelling (LocalFacts.kv_req_fields)
+    d_local: dict  # the decode's, as its KvReq carries them
     wakes: list = field(default_factory=list)
 
     @property
@@ -234,17 +235,17 @@ def make_link(*, decode_local: dict | None = None, free: list[int] | None = None
     d_mem, d_layout = make_memory(seed=None)
     pbe, dbe = GatedBackend(fabric), FakeBackend(fabric)
     p_ep, d_ep = pbe.start(p_layout), dbe.start(d_layout)
-    common = {"backend": "fake", "page_size": PAGE_SIZE, "kv_dtype": "float32", "fingerprint": FP}
-    p_local = {**common, "layout": layout_to_dict(p_layout), "endpoint": p_ep}
-    d_local = {**common, "layout": layout_to_dict(d_layout), "endpoint": d_ep, **(decode_local or {})}
+    p_facts = LocalFacts.of("fake", p_layout, FP, p_ep)
+    d_facts = dataclasses.replace(LocalFacts.of("fake", d_layout, FP, d_ep), **(decode_local or {}))
     pool = PagePool([9, 3, 4, 12, 13, 14, 0, 6, 7, 8] if free is None else free)
     wakes: list = []
-    sender = PrefillSender(pbe, 0, p_local, bootstrap_timeout=bootstrap_timeout,
+    sender = PrefillSender(pbe, 0, p_facts, bootstrap_timeout=bootstrap_timeout,
                            wake=lambda: wakes.append("prefill"))
     prefills = prefills or FakePrefillLink()
-    receiver = DecodeReceiver(dbe, 1, d_local, link=prefills, reserve=pool, wake=lambda: wakes.append("decode"),
+    receiver = DecodeReceiver(dbe, 1, d_facts, link=prefills, reserve=pool, wake=lambda: wakes.append("decode"),
                               limits=ReceiverLimits(waiting_timeout=waiting_timeout, abort_grace=abort_grace))
-    return Link(fabric, pbe, dbe, p_mem, d_mem, sender, receiver, prefills, pool, p_local, d_local, wakes)
+    return Link(fabric, pbe, dbe, p_mem, d_mem, sender, receiver, prefills, pool,
+                p_facts.kv_req_fields(), d_facts.kv_req_fields(), wakes)
 
 
 

@@ -21,7 +21,8 @@ def make_tiny_model(path: str, seed: int = 0, max_context: int = 512, layers: in
     cfg = transformers.LlamaConfig(
         vocab_size=info["vocab_size"], hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=max_context, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+        max_position_embeddings=max_context, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg)
     g = torch.Generator().manual_seed(seed)

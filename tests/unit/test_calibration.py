@@ -9,15 +9,15 @@ import dataclasses
 import pytest
 import torch
 
-from tests.harness.tiny_model import make_tiny_model
-
 from pdserve.core.host import HostInfo
 from pdserve.engine import calibration as cal
-from pdserve.engine.cpu_kernels import PER_QUERY_ONLY
 from pdserve.engine.calibration import Candidates, Forced, PlanCache, PlanKey, decide
-from pdserve.engine.cpu_plan import PREFILL_BUCKETS, AttentionPath as A, AttentionPaths, CpuPlan, \
-    ElementwisePath as E, static_plan
+from pdserve.engine.cpu_kernels import PER_QUERY_ONLY
+from pdserve.engine.cpu_plan import PREFILL_BUCKETS, AttentionPaths, CpuPlan, static_plan
+from pdserve.engine.cpu_plan import AttentionPath as A
+from pdserve.engine.cpu_plan import ElementwisePath as E
 from pdserve.engine.linear import MatmulPath as M
+from tests.harness.tiny_model import make_tiny_model
 
 CANDS = Candidates((M.ONEDNN, M.TORCH, M.PANEL, M.FLOAT32), (A.KERNEL, A.TORCH, A.TORCH_FP32),
                    (A.KERNEL, A.KERNEL_PER_QUERY, A.TORCH, A.TORCH_FP32), (E.FUSED, E.TORCH))
@@ -221,12 +221,12 @@ def test_a_real_measurement_on_a_tiny_model_gives_a_plan_that_runs(tmp_path, tin
     most for a tiny model), the plan names existing paths, and an engine runs with it."""
     import time
 
+    from pdserve.core.sampling import SamplingParams
     from pdserve.engine.cpu_kernels import load_paged_attention
     from pdserve.engine.cpu_matmul import load_matmul
     from pdserve.engine.engine import Engine, EngineConfig
     from pdserve.engine.kv_pool import KVPool
     from pdserve.engine.loader import load_model
-    from pdserve.core.sampling import SamplingParams
     from pdserve.engine.sequence import EngineRequest
 
     kernel, panel = load_paged_attention(kernel_cache_dir), load_matmul(kernel_cache_dir)

@@ -1,7 +1,7 @@
 """Our fused bf16 CPU ops (engine/cpu_fused_ops.c via engine/cpu_fused.py) against the torch
 formulas they replace in model.py: bit-identical at every shape (rows of 64..3072 and odd
-widths, 1..517 rows, strided input rows), subnormals kept as torch keeps them; where the CPU or compiler lacks what they need,
-load_fused_ops returns None and this module is skipped."""
+widths, 1..517 rows, strided input rows), subnormals kept as torch keeps them; where the CPU or
+compiler lacks what they need, load_fused_ops returns None and this module is skipped."""
 
 from __future__ import annotations
 
@@ -150,14 +150,13 @@ def test_none_without_cpu_support(monkeypatch, tmp_path):
 def test_model_with_fused_ops_is_bit_identical(ops, tmp_path):
     """A bf16 model's prefill and decode hidden states, and a bf16 engine's greedy tokens, are
     the same bits with the fused ops as with the torch formulas."""
-    from tests.harness.tiny_model import make_tiny_model
-
     from pdserve.core.sampling import SamplingParams
     from pdserve.engine.attention import AttnBatch
     from pdserve.engine.engine import Engine, EngineConfig
     from pdserve.engine.kv_pool import KVPool
     from pdserve.engine.loader import load_model
     from pdserve.engine.sequence import EngineRequest
+    from tests.harness.tiny_model import make_tiny_model
 
     model, cfg = load_model(make_tiny_model(str(tmp_path / "m"), layers=3), torch.bfloat16, "cpu")
 

@@ -124,9 +124,8 @@ def test_shapes_it_does_not_take_go_to_the_torch_path(kernel):
 
 
 def test_model_decode_step_with_kernel_matches_torch_path(kernel, tmp_path):
-    from tests.harness.tiny_model import make_tiny_model
-
     from pdserve.engine.loader import load_model
+    from tests.harness.tiny_model import make_tiny_model
 
     path = make_tiny_model(str(tmp_path / "m"), hidden=192, heads=6, kv_heads=2)  # head_dim 32
     model, cfg = load_model(path, torch.bfloat16, "cpu")
@@ -146,12 +145,11 @@ def test_model_decode_step_with_kernel_matches_torch_path(kernel, tmp_path):
 
 
 def test_engine_runs_through_the_kernel_and_frees_everything(kernel, tmp_path):
-    from tests.harness.tiny_model import make_tiny_model
-
     from pdserve.core.sampling import SamplingParams
     from pdserve.engine.engine import Engine, EngineConfig
     from pdserve.engine.loader import load_model
     from pdserve.engine.sequence import EngineRequest
+    from tests.harness.tiny_model import make_tiny_model
 
     path = make_tiny_model(str(tmp_path / "m"), hidden=192, heads=6, kv_heads=2)
     model, cfg = load_model(path, torch.bfloat16, "cpu")
@@ -294,12 +292,11 @@ def test_prefill_steps_through_the_kernel(kernel, seq_lens, new_lens):
 def test_a_model_the_kernel_does_not_take_runs_on_the_torch_path(kernel, tmp_path):
     """head_dim 16 (the tiny test model) in bf16: the engine drops the kernel, and a batch
     built with one anyway still attends through torch when the kernel declines the call."""
-    from tests.harness.tiny_model import make_tiny_model
-
     from pdserve.core.sampling import SamplingParams
     from pdserve.engine.engine import Engine, EngineConfig
     from pdserve.engine.loader import load_model
     from pdserve.engine.sequence import EngineRequest
+    from tests.harness.tiny_model import make_tiny_model
 
     model, cfg = load_model(make_tiny_model(str(tmp_path / "m")), torch.bfloat16, "cpu")
     assert cfg.head_dim == 16
@@ -467,9 +464,8 @@ def test_model_prefill_with_kernel_is_as_close_to_the_torch_path_as_per_query(ke
     """A whole forward of a long prompt chunk after a cached prefix, through the model (head_dim
     32). On random weights bf16 paths part by a few percent (the torch path's SDPA does not
     round scores as HF does); the tiled kernel must be no further off than the per-query one."""
-    from tests.harness.tiny_model import make_tiny_model
-
     from pdserve.engine.loader import load_model
+    from tests.harness.tiny_model import make_tiny_model
 
     path = make_tiny_model(str(tmp_path / "m"), max_context=1024, hidden=192, heads=6, kv_heads=2)
     model, cfg = load_model(path, torch.bfloat16, "cpu")

@@ -11,15 +11,15 @@ import pytest
 
 from pdserve.core.config import Role, ServerConfig
 from pdserve.core.errors import BadRequest, Timeout, Unavailable
-from pdserve.core.messages import TokenOutput
+from pdserve.core.messages import PDParams, TokenOutput
 from pdserve.core.sampling import SamplingParams
+from pdserve.server import role_table
 from pdserve.server.dispatcher import DPDispatcher, LBMethod
 from pdserve.server.generation import Generator, Limits
 from pdserve.server.metrics import FrontMetrics
-from pdserve.core.messages import PDParams
 from pdserve.server.protocol import RequestItem
-from pdserve.server import roles
-from pdserve.server.roles import ColocatedRole, Dispatch, make_role
+from pdserve.server.role_table import make_role
+from pdserve.server.roles import ColocatedRole, Dispatch
 
 
 def test_round_robin_cycles():
@@ -98,7 +98,7 @@ def test_pd_roles_resolve_auto_per_design():
 
 
 def test_role_without_a_front_fails_clearly(monkeypatch):
-    monkeypatch.setattr(roles, "role_classes", lambda: {Role.COLOCATED: ColocatedRole})
+    monkeypatch.setattr(role_table, "FRONT_ROLES", {Role.COLOCATED: ColocatedRole})
     with pytest.raises(ValueError, match="no front implementation"):
         make_role(ServerConfig(role=Role.DECODE))
 
@@ -274,7 +274,9 @@ def test_outputs_that_keep_coming_or_wait_for_a_slow_reader_are_no_stall():
         async def feed():  # one output every 0.1 s for 0.6 s: twice the timeout in all
             for k in range(6):
                 await asyncio.sleep(0.1)
-                pool.sink.put_nowait(TokenOutput("r0", [k], finished=k == 5, finish_reason={"type": "length"} if k == 5 else None))
+                last = k == 5
+                reason = {"type": "length"} if last else None
+                pool.sink.put_nowait(TokenOutput("r0", [k], finished=last, finish_reason=reason))
         feeder = asyncio.ensure_future(feed())
         seen = []
         async for p in active.events():

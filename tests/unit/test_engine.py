@@ -11,8 +11,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.harness.tiny_model import make_tiny_model  # noqa: E402
-
 from pdserve.core.errors import BadRequest  # noqa: E402
 from pdserve.core.sampling import SamplingParams  # noqa: E402
 from pdserve.engine.attention import AttnBatch, paged_attention  # noqa: E402
@@ -20,6 +18,7 @@ from pdserve.engine.engine import Engine, EngineConfig  # noqa: E402
 from pdserve.engine.kv_pool import KVPool  # noqa: E402
 from pdserve.engine.loader import load_model  # noqa: E402
 from pdserve.engine.sequence import EngineRequest  # noqa: E402
+from tests.harness.tiny_model import make_tiny_model  # noqa: E402
 
 EOS = 2
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)

@@ -11,14 +11,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.harness.tiny_model import make_tiny_model  # noqa: E402
-from tests.harness.prefix_tools import expected_cached  # noqa: E402
-
 from pdserve.core.sampling import SamplingParams  # noqa: E402
 from pdserve.engine.engine import Engine, EngineConfig  # noqa: E402
 from pdserve.engine.kv_pool import KVPool  # noqa: E402
 from pdserve.engine.loader import load_model  # noqa: E402
 from pdserve.engine.sequence import EngineRequest  # noqa: E402
+from tests.harness.prefix_tools import expected_cached  # noqa: E402
+from tests.harness.tiny_model import make_tiny_model  # noqa: E402
 
 PAGE = 4
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)

@@ -141,6 +141,7 @@ def test_phi3_longrope_gguf_greedy_matches_hf(tmp_path):
     """As llama.cpp writes Phi-3: fused attn_qkv and ffn_up (gate then up), rotary dims as
     rope.dimension_count, longrope factors as rope_factors_long/short tensors."""
     from test_model_families import _ours
+
     from tests.harness.tiny_families import LONGROPE, family_config, randomize
 
     cfg = family_config("phi3_longrope", vocab_size=len(TOKENS))

@@ -14,10 +14,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from test_gguf_families import TOKENS, finish_gguf  # noqa: E402
-from tests.harness.tiny_families import TINY, family_config, randomize  # noqa: E402
 
 from pdserve.model_files import ModelConfig, resolve_model  # noqa: E402
 from pdserve.model_files.resolve import ModelNotFound  # noqa: E402
+from tests.harness.tiny_families import TINY, family_config, randomize  # noqa: E402
 
 GLOBAL = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm", "lm_head.weight": "output"}
 LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

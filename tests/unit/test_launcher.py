@@ -42,7 +42,8 @@ def wait_until(cond, timeout: float, what: str):
 def tree(workdir: Path, ignore_term: bool = False) -> list[str]:
     """sh (leader) -> sh (child) -> sleep (grandchild); the child writes both pids to workdir."""
     trap = 'trap "" TERM; ' if ignore_term else ""  # SIG_IGN is inherited: the whole tree ignores it
-    inner = 'echo $$ > "$1/child"; sleep 60 & echo $! > "$1/grandchild.tmp"; mv "$1/grandchild.tmp" "$1/grandchild"; wait'
+    inner = ('echo $$ > "$1/child"; sleep 60 & echo $! > "$1/grandchild.tmp"; '
+             'mv "$1/grandchild.tmp" "$1/grandchild"; wait')
     return ["sh", "-c", f"{trap}sh -c '{inner}' inner \"$1\" & wait", "leader", str(workdir)]
 
 

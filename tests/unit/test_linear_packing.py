@@ -9,16 +9,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.harness.tiny_model import make_tiny_model  # noqa: E402
-
 from pdserve.core.sampling import SamplingParams  # noqa: E402
+from pdserve.engine.cpu_matmul import load_matmul  # noqa: E402
 from pdserve.engine.engine import Engine, EngineConfig  # noqa: E402
 from pdserve.engine.kv_pool import KVPool  # noqa: E402
-from pdserve.engine.cpu_matmul import load_matmul  # noqa: E402
-from pdserve.engine.linear import (MatmulPath, PackedLinear, PlainLinear, available_paths,  # noqa: E402
-                                   can_pack, default_path, make_linear)
+from pdserve.engine.linear import (  # noqa: E402
+    MatmulPath,
+    PackedLinear,
+    PlainLinear,
+    available_paths,
+    can_pack,
+    default_path,
+    make_linear,
+)
 from pdserve.engine.loader import load_model  # noqa: E402
 from pdserve.engine.sequence import EngineRequest  # noqa: E402
+from tests.harness.tiny_model import make_tiny_model  # noqa: E402
 
 needs_pack = pytest.mark.skipif(not can_pack(torch.bfloat16, "cpu"),
                                 reason="this torch build has no oneDNN bf16 linear")
@@ -187,6 +193,7 @@ def test_bf16_engine_on_each_path_frees_plain_weights_and_runs(tiny_path, panel,
     with pytest.raises(RuntimeError, match="already on"):
         other.use_matmul(MatmulPath.TORCH)
     greedy = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
-    reqs = lambda: [EngineRequest(f"r{i}", p, greedy) for i, p in enumerate([[5, 9, 11], list(range(3, 30))])]
+    def reqs() -> list[EngineRequest]:
+        return [EngineRequest(f"r{i}", p, greedy) for i, p in enumerate([[5, 9, 11], list(range(3, 30))])]
     a, b = _run(plain, cfg, reqs()), _run(other, cfg, reqs())
     assert [t for t, _ in a.values()] == [t for t, _ in b.values()]

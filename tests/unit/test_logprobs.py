@@ -10,8 +10,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.harness.tiny_model import make_tiny_model  # noqa: E402
-
 from pdserve.core.errors import BadRequest  # noqa: E402
 from pdserve.core.logprobs import PromptLogprobs  # noqa: E402
 from pdserve.core.sampling import SamplingParams  # noqa: E402
@@ -20,6 +18,7 @@ from pdserve.engine.kv_pool import KVPool  # noqa: E402
 from pdserve.engine.loader import load_model  # noqa: E402
 from pdserve.engine.logprobs import logprobs_of  # noqa: E402
 from pdserve.engine.sequence import EngineRequest  # noqa: E402
+from tests.harness.tiny_model import make_tiny_model  # noqa: E402
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 

@@ -16,14 +16,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.harness.bf16_rounding import LOW, RandomBf16Rounding, round_either_way  # noqa: E402
-from tests.harness.tiny_families import FAMILIES, family_config, randomize  # noqa: E402
-
 from pdserve.core.config import ServerConfig  # noqa: E402
 from pdserve.core.sampling import SamplingParams  # noqa: E402
 from pdserve.engine.sequence import EngineRequest  # noqa: E402
 from pdserve.model_files.hf_config import ModelConfig  # noqa: E402
 from pdserve.worker.setup import build_engine  # noqa: E402
+from tests.harness.bf16_rounding import LOW, RandomBf16Rounding, round_either_way  # noqa: E402
+from tests.harness.tiny_families import FAMILIES, family_config, randomize  # noqa: E402
 
 NEW = 32
 RUNS = 16  # random-rounding runs of the float64 model (bf16_rounding.py), one batch

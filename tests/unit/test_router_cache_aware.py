@@ -15,8 +15,14 @@ from pdserve.router import build_router_parser, config_from_args
 from pdserve.router.app import RouterApp
 from pdserve.router.health import HealthTracker
 from pdserve.router.pd_body import Route, leg_bodies, routing_key
-from pdserve.router.policies import (BALANCED, MATCHED, SMALLEST_TREE, CacheAwareConfig, CacheAwarePolicy,
-                                     RoundRobinPolicy)
+from pdserve.router.policies import (
+    BALANCED,
+    MATCHED,
+    SMALLEST_TREE,
+    CacheAwareConfig,
+    CacheAwarePolicy,
+    RoundRobinPolicy,
+)
 from pdserve.router.prefix_tree import PrefixTree
 from pdserve.router.upstream import Upstream, UpstreamPool
 

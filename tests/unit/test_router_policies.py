@@ -13,9 +13,15 @@ from pdserve.core.config import Role
 from pdserve.core.errors import BadRequest, Unavailable
 from pdserve.router import build_router_parser, config_from_args
 from pdserve.router.config import ServerSpec
-from pdserve.router.health import HealthState, HealthTracker, ProbeEvent, TRANSITIONS
-from pdserve.router.pd_body import (Route, inspect_request, leg_bodies, merge_input_logprobs, mint_rooms,
-                                    parse_client_body)
+from pdserve.router.health import TRANSITIONS, HealthState, HealthTracker, ProbeEvent
+from pdserve.router.pd_body import (
+    Route,
+    inspect_request,
+    leg_bodies,
+    merge_input_logprobs,
+    mint_rooms,
+    parse_client_body,
+)
 from pdserve.router.policies import CacheAwarePolicy, PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy, make_policy
 from pdserve.router.upstream import Upstream, UpstreamPool
 

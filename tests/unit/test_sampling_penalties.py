@@ -197,12 +197,11 @@ def test_out_of_vocab_ids_are_skipped_not_crashing():
 
 transformers = pytest.importorskip("transformers")
 
-from tests.harness.tiny_model import make_tiny_model  # noqa: E402
-
 from pdserve.engine.engine import Engine, EngineConfig  # noqa: E402
 from pdserve.engine.kv_pool import KVPool  # noqa: E402
 from pdserve.engine.loader import load_model  # noqa: E402
 from pdserve.engine.sequence import EngineRequest  # noqa: E402
+from tests.harness.tiny_model import make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,19 @@ import sys
 
 import pytest
 
-from pdserve.engine.spin_governor import (LEAVE_SOLO_OTHERS, MAX_RECHECK_S, RECHECK_S, SUSPECT, WINDOW_S, CoreUse,
-                                          Sharing, SpinGovernor, SpinMode, governor_for, spins)
+from pdserve.engine.spin_governor import (
+    LEAVE_SOLO_OTHERS,
+    MAX_RECHECK_S,
+    RECHECK_S,
+    SUSPECT,
+    WINDOW_S,
+    CoreUse,
+    Sharing,
+    SpinGovernor,
+    SpinMode,
+    governor_for,
+    spins,
+)
 
 
 class Fake:

@@ -12,9 +12,6 @@ import re
 import pytest
 import torch
 
-from tests.harness.fake_worker import write_fake_model
-from tests.harness.tiny_model import make_tiny_model
-
 from pdserve.core.errors import BadRequest
 from pdserve.core.grammar_spec import GrammarKind, choice_spec, json_schema_spec, regex_spec
 from pdserve.core.sampling import SamplingParams
@@ -29,6 +26,8 @@ from pdserve.server.native_api import parse_generate
 from pdserve.server.openai_protocol import parse_chat, parse_completion
 from pdserve.server.structured_outputs import with_grammar
 from pdserve.server.tokenizer import ServerTokenizer
+from tests.harness.fake_worker import write_fake_model
+from tests.harness.tiny_model import make_tiny_model
 
 EOS = 2
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 6}},

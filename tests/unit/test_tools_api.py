@@ -13,8 +13,7 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from pdserve.core.config import ServerConfig, add_dataclass_args, config_from_json, config_to_json, \
-    dataclass_from_args
+from pdserve.core.config import ServerConfig, add_dataclass_args, config_from_json, config_to_json, dataclass_from_args
 from pdserve.core.errors import BadRequest
 from pdserve.core.messages import TokenOutput
 from pdserve.server.api_options import ApiOptions, ModelNotFound
@@ -416,7 +415,8 @@ def test_sglang_reasoning_switches(tok, opts):
     assert full["choices"][0]["message"]["content"] == text and "reasoning_content" not in full["choices"][0]["message"]
     held = parse_chat({"messages": USER, "stream_reasoning": False, "stream": True}, tok, opts)
     _, chunks = run_reply(tok, held, text)
-    parts = [c["choices"][0]["delta"]["reasoning_content"] for c in chunks if "reasoning_content" in c["choices"][0]["delta"]]
+    parts = [c["choices"][0]["delta"]["reasoning_content"] for c in chunks
+             if "reasoning_content" in c["choices"][0]["delta"]]
     assert parts == ["abc"]  # one delta, once the reasoning ended
 
 
@@ -466,8 +466,10 @@ def test_streamed_parts_equal_the_message_on_random_texts():
             out = ChatOutput(shape)
             parts = [out.delta(text[:k], False) for k in range(len(text))] + [out.delta(text, True)]
             msg = ChatOutput(shape).message(text)
-            calls = [(c["function"]["name"], c["function"]["arguments"]) for p in parts for c in p.get("tool_calls", ())]
-            assert ("".join(p.get("reasoning_content", "") for p in parts), "".join(p.get("content", "") for p in parts),
+            calls = [(c["function"]["name"], c["function"]["arguments"])
+                     for p in parts for c in p.get("tool_calls", ())]
+            assert ("".join(p.get("reasoning_content", "") for p in parts),
+                    "".join(p.get("content", "") for p in parts),
                     calls) == (msg.get("reasoning_content") or "", msg["content"] or "",
                                [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", ())])
 

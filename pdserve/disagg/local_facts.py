@@ -1,0 +1,45 @@
+"""What one PD worker is, as its peers must see it: transfer backend, KV layout and dtype, model
+fingerprint, endpoint. Built once when the worker's backend starts (worker/pd_common.py); the
+KvReq carries it to the prefill (`kv_req_fields`), which checks it against its own
+(`compat_problem`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.kv_layout import KVLayout
+from ..transfer.base import Endpoint, layout_to_dict
+from .wire import KvReq
+
+COMPAT_KEYS = ("backend", "page_size", "kv_dtype", "fingerprint")  # what a KvReq must agree on
+
+
+@dataclass(frozen=True)
+class LocalFacts:
+    """This worker's transfer facts. `page_size` and `kv_dtype` are the layout's (`of`)."""
+
+    backend: str  # the transfer backend's name: tcp, mooncake, nixl, fake
+    page_size: int
+    kv_dtype: str  # e.g. "bfloat16"
+    fingerprint: dict[str, Any]  # the model's (hf_config.ModelConfig.fingerprint)
+    layout: KVLayout
+    endpoint: Endpoint
+
+    @classmethod
+    def of(cls, backend: str, layout: KVLayout, fingerprint: dict[str, Any], endpoint: Endpoint) -> LocalFacts:
+        return cls(backend, layout.page_size, layout.dtype, fingerprint, layout, endpoint)
+
+    def kv_req_fields(self) -> dict[str, Any]:
+        """The KvReq fields that say what this decode is, in their wire spelling."""
+        return {"layout": layout_to_dict(self.layout), "endpoint": self.endpoint, "page_size": self.page_size,
+                "kv_dtype": self.kv_dtype, "fingerprint": self.fingerprint, "backend": self.backend}
+
+
+def compat_problem(local: LocalFacts, req: KvReq) -> str | None:
+    """Why a decode's KvReq cannot be served by this prefill worker (`local`), or None."""
+    for key in COMPAT_KEYS:
+        ours, other = getattr(local, key), getattr(req, key)
+        if ours != other:
+            return f"{key} mismatch: prefill has {ours!r}, decode has {other!r}"
+    return None
