@@ -21,7 +21,6 @@ from ..core.messages import (
     TokenOutput,
     WorkerStats,
 )
-from ..engine.engine import Engine
 from ..engine.spin_governor import SpinGovernor
 from .channel import WorkerChannel
 from .queue_clock import QueueClock
