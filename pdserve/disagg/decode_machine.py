@@ -134,6 +134,8 @@ class DecodeHandoffs(HandoffMachine[DecodeEffect]):
         elif ev.got is not None:
             r.reservation = ev.got
             r.stages[Stage.PREALLOCATION.value] = ev.wall
+            # when it was issued; the send job's KvReqSent refines it, unless kv_done and the report beat it
+            r.stages[Stage.METADATA_SENT.value] = ev.wall
             r.move(D.SENDING, ev.now)
             out.append(SendKvReq(r.room, cast("Resolved", r.resolved), kv_req(r, self.dp_rank, self.local)))
         else:  # no pages: it waits, and so does every room behind it, this round

@@ -209,6 +209,15 @@ def test_kv_done_before_the_sent_event(m):
     assert m.step(KvReqSent(ROOM, 300.0, now=4.5)) == []  # reported: unknown now
 
 
+def test_reported_before_the_sent_event_still_has_its_metadata_stage(m):
+    """kv_done and the report can both beat the send job's event: the issue time stands in."""
+    to_sending(m)
+    m.step(FromPrefill(DONE, now=3.0))
+    [f] = m.step(Tick(now=3.0))
+    assert f.done.ok and f.done.stages["metadata_sent"] == f.done.stages["preallocation"] == 200.0
+    assert m.step(KvReqSent(ROOM, 300.0, now=3.5)) == []  # reported: unknown now
+
+
 @pytest.mark.parametrize("state", [D.RESOLVING, D.RESERVING])
 def test_kv_done_before_the_kv_req_is_ignored(m, state):
     DRIVE[state](m)
