@@ -100,8 +100,10 @@ class ServerConfig:
         "(measure again) or off (the defaults, unmeasured); server_info shows the plan and why",
         ("auto", "redo", "off"), default="auto")
     cpu_matmul: str = _opt("force the matmul path: torch (F.linear as stored), onednn (oneDNN's "
-                           "packed bf16), panel (our AVX2 bf16 kernel) or float32 (weights held in "
-                           "float32); auto: measured", ("auto", "torch", "onednn", "panel", "float32"),
+                           "packed bf16), panel (our AVX2 bf16 kernel), float32 (weights held in "
+                           "float32) or onednn_gemv (onednn, and our AVX-512 BF16 kernel for one or two "
+                           "rows: twice the weight memory); auto: measured",
+                           ("auto", "torch", "onednn", "panel", "float32", "onednn_gemv"),
                            default="auto")
     cpu_decode_attention: str = _opt("force decode attention: kernel (ours), torch, torch_fp32 "
                                      "(torch ops on float32 copies); auto: measured",

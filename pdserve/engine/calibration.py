@@ -29,6 +29,7 @@ import torch
 
 from ..core.host import HostInfo
 from .calibration_measure import MATMUL_ROWS, Timings, measure
+from .cpu_matmul import MatmulKernels
 from .cpu_plan import KERNEL_ATTENTION, PREFILL_BUCKETS, AttentionPath, CpuPlan, ElementwisePath
 from .linear import MatmulPath, available_paths, default_path
 
@@ -206,11 +207,11 @@ class PlanCache:
 
 
 # ---- putting it together -------------------------------------------------------------------------
-def candidates_for(dtype: torch.dtype, device: str, kernel, panel, fused) -> Candidates:
+def candidates_for(dtype: torch.dtype, device: str, kernel, kernels: MatmulKernels, fused) -> Candidates:
     """What exists for a model of this dtype here, default first (linear.default_path, our
     attention kernel, our fused ops): with no measurement the plan is the defaults."""
-    paths = available_paths(dtype, device, panel)
-    first = default_path(dtype, device, panel)
+    paths = available_paths(dtype, device, kernels)
+    first = default_path(dtype, device, kernels)
     matmul = (first,) + tuple(p for p in paths if p is not first)
     cpu_half = torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16)
     torch_paths = (AttentionPath.TORCH, AttentionPath.TORCH_FP32) if cpu_half else (AttentionPath.TORCH,)
@@ -232,12 +233,12 @@ def model_signature(model) -> tuple:
             c.head_dim, c.vocab_size, str(model.dtype).removeprefix("torch."), c.moe is not None)
 
 
-def plan_for(model, device: str, kernel, panel, fused, forced: Forced, mode: str,
+def plan_for(model, device: str, kernel, kernels: MatmulKernels, fused, forced: Forced, mode: str,
              cache: PlanCache | None, threads: int) -> CpuPlan:
     """The plan for this worker. mode: `auto` (the cached plan for this key, else measure and
     cache it), `redo` (measure and replace the cached one) or `off` (the defaults). Forced
     choices are applied on top of a cached plan's timings, so they never need a new measurement."""
-    cands = candidates_for(model.dtype, device, kernel, panel, fused)
+    cands = candidates_for(model.dtype, device, kernel, kernels, fused)
     which = _needs(cands, forced)
     if not which:
         return decide({}, cands, forced)
@@ -251,7 +252,7 @@ def plan_for(model, device: str, kernel, panel, fused, forced: Forced, mode: str
             log.info("cpu plan: cached %s", cache.path(key))
             return decide(cached.measured_ms, cands, forced)
         t0 = time.monotonic()
-        timings = measure(model, kernel, panel, fused, cands, _needs(cands, Forced()))
+        timings = measure(model, kernel, kernels, fused, cands, _needs(cands, Forced()))
         plan = decide(timings, cands)
         cache.store(key, plan)
         log.info("cpu plan: measured in %.1f s -> %s (%s)", time.monotonic() - t0,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from .attention import AttnBatch, paged_attention
+from .cpu_matmul import GEMV_ROWS, MatmulKernels
 from .cpu_plan import PREFILL_BUCKETS, AttentionPath, AttentionPaths, CpuPlan, ElementwisePath
 from .kv_pool import KVPool
 from .linear import MatmulPath, make_linear
@@ -63,16 +64,19 @@ def _survivors(cands: tuple, last: dict[str, float] | None) -> tuple:
 
 
 def measure_matmul(weights: list[tuple[torch.Tensor, torch.Tensor | None]], paths: tuple[MatmulPath, ...],
-                   panel, g: torch.Generator) -> Timings:
+                   kernels: MatmulKernels, g: torch.Generator) -> Timings:
     """One decoder layer's matmuls (its real weights) per path at each of MATMUL_ROWS."""
-    lins = {p: [make_linear(p, w, b, panel) for w, b in weights] for p in paths}
+    lins = {p: [make_linear(p, w, b, kernels) for w, b in weights] for p in paths}
     out: Timings = {}
     last = None
     for rows in MATMUL_ROWS:
         xs = [torch.randn(rows, w.shape[1], generator=g).to(w.dtype) for w, _ in weights]
         alive = _survivors(paths, last)
+        same_as_onednn = rows > GEMV_ROWS and MatmulPath.ONEDNN in alive  # onednn_gemv runs oneDNN here
         last = _time_ms({p.value: (lambda ls=lins[p]: [lin(x) for lin, x in zip(ls, xs)])
-                         for p in alive})
+                         for p in alive if not (same_as_onednn and p is MatmulPath.ONEDNN_GEMV)})
+        if same_as_onednn and MatmulPath.ONEDNN_GEMV in alive:
+            last[MatmulPath.ONEDNN_GEMV.value] = last[MatmulPath.ONEDNN.value]
         out[f"matmul@{rows}"] = last
     return out
 
@@ -149,7 +153,7 @@ def measure_elementwise(fused, torch_ops, hidden: int, hq: int, hkv: int, d: int
                                        ElementwisePath.TORCH.value: run(torch_ops)})}
 
 
-def measure(model, kernel, panel, fused, cands: Candidates, which: set[str], seed: int = 0) -> Timings:
+def measure(model, kernel, kernels: MatmulKernels, fused, cands: Candidates, which: set[str], seed: int = 0) -> Timings:
     """Timings for the decisions in `which`, on the model's own shapes (and layer 0's weights)."""
     g = torch.Generator().manual_seed(seed)
     cfg, out = model.cfg, {}
@@ -157,7 +161,7 @@ def measure(model, kernel, panel, fused, cands: Candidates, which: set[str], see
         layer = model.layers[0]
         weights = [(lin.weight, lin.bias) for lin in (layer.qkv, layer.o) + (
             (layer.gate_up, layer.down) if layer.moe is None else ())]
-        out.update(measure_matmul(weights, cands.matmul, panel, g))
+        out.update(measure_matmul(weights, cands.matmul, kernels, g))
     if which & {"decode_attention", "prefill_attention"}:
         out.update(measure_attention(
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.dtype, kernel,

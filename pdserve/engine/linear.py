@@ -8,7 +8,10 @@ than assumed; every path takes and returns the model's dtype:
 - `panel`: CPU bf16, our AVX2 kernel (cpu_matmul.c) on 16-column bf16 panels: where oneDNN
   has no bf16 (no AVX-512) torch's bf16 F.linear is 10-80x slower than this;
 - `float32`: CPU bf16, the weight held in float32 and MKL's sgemm, output rounded to bf16
-  (twice the weight memory: for CPUs where neither bf16 path is fast).
+  (twice the weight memory: for CPUs where neither bf16 path is fast);
+- `onednn_gemv`: CPU bf16 with AVX-512 BF16, oneDNN's packed path for more than GEMV_ROWS rows
+  and our streaming kernel (cpu_gemv.c) on the plain weight for decode's one or two rows
+  (both layouts kept: twice the weight memory).
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from .cpu_matmul import GEMV_ROWS, MatmulKernels
+
 
 class MatmulPath(str, enum.Enum):
     TORCH = "torch"
     ONEDNN = "onednn"
     PANEL = "panel"
     FLOAT32 = "float32"
+    ONEDNN_GEMV = "onednn_gemv"
 
 
 class Linear(Protocol):
@@ -79,6 +85,24 @@ class PanelLinear:
         return self.kernel.linear(x, self.weight, self.out_features, self.bias)
 
 
+class GemvLinear:
+    """oneDNN's packed weight for more than GEMV_ROWS rows, our few-row kernel on the plain weight
+    (kept beside it) for fewer: the matmuls of decoding one or two sequences."""
+
+    path = MatmulPath.ONEDNN_GEMV
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel):
+        self.kernel = kernel
+        self.packed = PackedLinear(weight, bias)
+        self.weight = weight.detach().contiguous()
+        self.bias = self.packed.bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= GEMV_ROWS and x.stride(1) == 1:
+            return self.kernel.linear(x, self.weight, self.bias)
+        return self.packed(x)
+
+
 class Float32Linear:
     """The weight held in float32; x upcast, MKL's sgemm, the result rounded to x's dtype."""
 
@@ -105,23 +129,30 @@ def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
         return False
 
 
-def available_paths(dtype: torch.dtype, device: torch.device | str, panel=None) -> list[MatmulPath]:
-    """The paths that work for a model of this dtype on this device (torch first); panel: the
-    loaded cpu_matmul.PanelMatmul, or None where it could not be built."""
+NO_KERNELS = MatmulKernels()
+
+
+def available_paths(dtype: torch.dtype, device: torch.device | str,
+                    kernels: MatmulKernels = NO_KERNELS) -> list[MatmulPath]:
+    """The paths that work for a model of this dtype on this device (torch first); kernels: ours
+    that were built here."""
     paths = [MatmulPath.TORCH]
     if torch.device(device).type == "cpu" and dtype is torch.bfloat16:
         if can_pack(dtype, device):
             paths.append(MatmulPath.ONEDNN)
-        if panel is not None:
+            if kernels.gemv is not None:
+                paths.append(MatmulPath.ONEDNN_GEMV)
+        if kernels.panel is not None:
             paths.append(MatmulPath.PANEL)
         paths.append(MatmulPath.FLOAT32)
     return paths
 
 
-def default_path(dtype: torch.dtype, device: torch.device | str, panel=None) -> MatmulPath:
+def default_path(dtype: torch.dtype, device: torch.device | str,
+                 kernels: MatmulKernels = NO_KERNELS) -> MatmulPath:
     """The path to use without a measurement: oneDNN's packed bf16 where it has bf16, else our
     panel kernel where built, else F.linear."""
-    paths = available_paths(dtype, device, panel)
+    paths = available_paths(dtype, device, kernels)
     for p in (MatmulPath.ONEDNN, MatmulPath.PANEL):
         if p in paths:
             return p
@@ -129,14 +160,18 @@ def default_path(dtype: torch.dtype, device: torch.device | str, panel=None) -> 
 
 
 def make_linear(path: MatmulPath, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                panel=None) -> Linear:
+                kernels: MatmulKernels = NO_KERNELS) -> Linear:
     """A matmul of `weight` (and `bias`) on `path` (one of available_paths)."""
     if path is MatmulPath.TORCH:
         return PlainLinear(weight, bias)
     if path is MatmulPath.ONEDNN:
         return PackedLinear(weight, bias)
     if path is MatmulPath.PANEL:
-        if panel is None:
-            raise ValueError("matmul path 'panel' needs the built panel kernel (cpu_matmul)")
-        return PanelLinear(weight, bias, panel)
+        if kernels.panel is None:
+            raise ValueError("matmul path 'panel' needs the built panel kernel (cpu_matmul.c)")
+        return PanelLinear(weight, bias, kernels.panel)
+    if path is MatmulPath.ONEDNN_GEMV:
+        if kernels.gemv is None:
+            raise ValueError("matmul path 'onednn_gemv' needs the built few-row kernel (cpu_gemv.c)")
+        return GemvLinear(weight, bias, kernels.gemv)
     return Float32Linear(weight, bias)

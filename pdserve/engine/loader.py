@@ -14,7 +14,8 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ..model_files.hf_config import ModelConfig
-from .linear import MatmulPath, default_path
+from .cpu_matmul import MatmulKernels
+from .linear import NO_KERNELS, MatmulPath, default_path
 from .model import CausalLM
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -103,11 +104,11 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device,
                max_positions: int | None = None, matmul: MatmulPath | None = None,
-               panel=None) -> tuple[CausalLM, ModelConfig]:
+               kernels: MatmulKernels = NO_KERNELS) -> tuple[CausalLM, ModelConfig]:
     """Build the model for `model_dir` and fill every weight; errors name the offending tensor.
     `max_positions` bounds the RoPE table (default: the config's max_position_embeddings);
-    `matmul`: the path the matmuls run on (model.use_matmul; `panel`: the built cpu_matmul
-    kernel, for MatmulPath.PANEL); None: linear.default_path."""
+    `matmul`: the path the matmuls run on (model.use_matmul; `kernels`: ours that were
+    built, for the paths that need them); None: linear.default_path."""
     cfg = ModelConfig.from_dir(model_dir)
     model = CausalLM(cfg, dtype, device, max_positions=max_positions)
     targets = weight_targets(model)
@@ -136,5 +137,5 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device,
         missing = sorted(targets)
         raise ValueError(f"{model_dir}: {len(missing)} weights missing, e.g. {missing[:3]}")
     model.eval()
-    model.use_matmul(matmul or default_path(dtype, device, panel), panel)
+    model.use_matmul(matmul or default_path(dtype, device, kernels), kernels)
     return model, cfg

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 
 from ..model_files.hf_config import ModelConfig
 from .attention import AttnBatch, AttnParams, paged_attention
+from .cpu_matmul import MatmulKernels
 from .kv_pool import KVPool
-from .linear import MatmulPath, PlainLinear, make_linear
+from .linear import NO_KERNELS, MatmulPath, PlainLinear, make_linear
 from .moe import MoEMLP
 from .rope import Rotary
 
@@ -128,12 +129,12 @@ class DecoderLayer(torch.nn.Module):
             self.gate_up = PlainLinear(self.gate_up_proj)
             self.down = PlainLinear(self.down_proj)
 
-    def use_matmul(self, path: MatmulPath, panel=None) -> None:
+    def use_matmul(self, path: MatmulPath, kernels: MatmulKernels = NO_KERNELS) -> None:
         """Put each matmul on `path` (linear.make_linear) and free the plain copy of its weight
         where the new layout replaces it."""
         for name in self._linears:
             plain = getattr(self, name)
-            setattr(self, name, make_linear(path, plain.weight, plain.bias, panel))
+            setattr(self, name, make_linear(path, plain.weight, plain.bias, kernels))
             if path is not MatmulPath.TORCH:
                 plain.weight.data = plain.weight.data.new_empty(0)
 
@@ -238,17 +239,17 @@ class CausalLM(torch.nn.Module):
         return out if cap is None else torch.tanh(out / cap) * cap
 
     @torch.no_grad()
-    def use_matmul(self, path: MatmulPath, panel=None) -> None:
-        """After loading: every matmul on `path` (one of linear.available_paths; panel: the
-        built cpu_matmul kernel for MatmulPath.PANEL). The embedding stays plain; a tied
+    def use_matmul(self, path: MatmulPath, kernels: MatmulKernels = NO_KERNELS) -> None:
+        """After loading: every matmul on `path` (one of linear.available_paths; kernels: ours
+        that were built, for the paths that need them). The embedding stays plain; a tied
         lm_head gets its own copy in the path's layout. Once only: the plain weights are freed."""
         if path is self.matmul:
             return
         if self.matmul is not MatmulPath.TORCH:
             raise RuntimeError(f"matmuls already on {self.matmul.value}; cannot move to {path.value}")
         for layer in self.layers:
-            layer.use_matmul(path, panel)
-        self.head = make_linear(path, self.lm_head, None, panel)
+            layer.use_matmul(path, kernels)
+        self.head = make_linear(path, self.lm_head, None, kernels)
         if path is not MatmulPath.TORCH and self.lm_head is not self.embed_tokens:
             self.lm_head.data = self.lm_head.data.new_empty(0)
         self.matmul = path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from ..core.cpu_binding import rank_cpus, threads_for
 from ..engine.calibration import Forced, PlanCache, plan_for
 from ..engine.cpu_fused import load_fused_ops
 from ..engine.cpu_kernels import PagedAttentionKernel, load_paged_attention
-from ..engine.cpu_matmul import load_matmul
+from ..engine.cpu_matmul import MatmulKernels, load_gemv, load_matmul
 from ..engine.cpu_plan import AttentionPath, ElementwisePath
 from ..engine.engine import Engine, EngineConfig
 from ..engine.kv_pool import KVPool
@@ -21,6 +22,8 @@ from ..engine.loader import load_model
 from ..engine.spin_governor import SpinGovernor, governor_for
 from ..grammar.matcher import Matchers
 from ..model_files.resolve import cache_root
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -79,10 +82,19 @@ def kernel_cache(cfg: ServerConfig, dtype: torch.dtype, cache_dir: str) -> str |
     return cache_root(cache_dir)
 
 
-def panel_matmul(cfg: ServerConfig, dtype: torch.dtype, cache_dir: str):
-    """Our AVX2 bf16 matmul kernel (cpu_matmul.PanelMatmul) where wanted and it builds; else None."""
+def matmul_kernels(cfg: ServerConfig, dtype: torch.dtype, cache_dir: str, weight_bytes: int) -> MatmulKernels:
+    """Our bf16 matmul kernels where wanted and they build here. The few-row kernel keeps a second
+    copy of the weights beside oneDNN's, so it is left out where that copy would take more than
+    a quarter of the memory still free."""
     where = kernel_cache(cfg, dtype, cache_dir)
-    return None if where is None else load_matmul(where)
+    if where is None:
+        return MatmulKernels()
+    gemv = load_gemv(where)
+    if gemv is not None and weight_bytes > available_memory_bytes() // 4:
+        log.info("few-row matmul kernel not used: a second copy of the %.1f GiB of weights would take "
+                 "more than a quarter of the free memory", weight_bytes / 2**30)
+        gemv = None
+    return MatmulKernels(load_matmul(where), gemv)
 
 
 def forced_choices(cfg: ServerConfig) -> Forced:
@@ -111,13 +123,14 @@ def apply_cpu_plan(cfg: ServerConfig, model, cache_dir: str, mode: str | None = 
     forced by the --cpu-* flags; mode overrides --cpu-calibration), applied to its matmuls and
     norms -> (plan, the attention kernel the engine gets or None)."""
     dtype, mcfg = model.dtype, model.cfg
-    kernel, panel, fused = (attention_kernel(cfg, dtype, cache_dir), panel_matmul(cfg, dtype, cache_dir),
-                            fused_ops(cfg, dtype, cache_dir))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kernel, kernels, fused = (attention_kernel(cfg, dtype, cache_dir),
+                              matmul_kernels(cfg, dtype, cache_dir, weight_bytes), fused_ops(cfg, dtype, cache_dir))
     if kernel is not None and not kernel.supports_model(dtype, mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim):
         kernel = None  # e.g. head_dim 80: the torch path
-    plan = plan_for(model, cfg.device, kernel, panel, fused, forced_choices(cfg), mode or cfg.cpu_calibration,
+    plan = plan_for(model, cfg.device, kernel, kernels, fused, forced_choices(cfg), mode or cfg.cpu_calibration,
                     PlanCache(Path(cache_root(cache_dir)) / "calibration"), torch.get_num_threads())
-    model.use_matmul(plan.matmul, panel)
+    model.use_matmul(plan.matmul, kernels)
     model.use_fused_ops(fused if plan.elementwise is ElementwisePath.FUSED else None)
     return plan, kernel
 

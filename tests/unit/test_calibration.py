@@ -16,6 +16,7 @@ from pdserve.engine.cpu_kernels import PER_QUERY_ONLY
 from pdserve.engine.cpu_plan import PREFILL_BUCKETS, AttentionPaths, CpuPlan, static_plan
 from pdserve.engine.cpu_plan import AttentionPath as A
 from pdserve.engine.cpu_plan import ElementwisePath as E
+from pdserve.engine.linear import NO_KERNELS
 from pdserve.engine.linear import MatmulPath as M
 from tests.harness.tiny_model import make_tiny_model
 
@@ -169,38 +170,38 @@ def test_plan_for_measures_once_then_reads_the_cache(tmp_path, monkeypatch, tiny
                     decode={"torch": 1.0, "torch_fp32": 2.0},
                     prefill=[{"torch": 1.0, "torch_fp32": 2.0}] * 3)
 
-    def measure(model, kernel, panel, fused, cands, which, seed=0):
+    def measure(model, kernel, kernels, fused, cands, which, seed=0):
         calls.append(which)
         return {k: v for k, v in fake.items() if k.split("@")[0] in which}
 
     monkeypatch.setattr(cal, "measure", measure)
     monkeypatch.setattr(cal.HostInfo, "read", staticmethod(lambda: HOST))
     cache = PlanCache(tmp_path)
-    plan = cal.plan_for(tiny_bf16, "cpu", None, None, None, Forced(), "auto", cache, 2)
+    plan = cal.plan_for(tiny_bf16, "cpu", None, NO_KERNELS, None, Forced(), "auto", cache, 2)
     assert calls == [{"matmul", "decode_attention", "prefill_attention"}]
     assert plan.matmul is M.FLOAT32 and plan.decode_attention is A.TORCH
-    assert cal.plan_for(tiny_bf16, "cpu", None, None, None, Forced(), "auto", cache, 2) == plan
+    assert cal.plan_for(tiny_bf16, "cpu", None, NO_KERNELS, None, Forced(), "auto", cache, 2) == plan
     assert len(calls) == 1  # cached
-    forced = cal.plan_for(tiny_bf16, "cpu", None, None, None, Forced(decode_attention=A.TORCH_FP32),
+    forced = cal.plan_for(tiny_bf16, "cpu", None, NO_KERNELS, None, Forced(decode_attention=A.TORCH_FP32),
                           "auto", cache, 2)
     assert len(calls) == 1 and forced.decode_attention is A.TORCH_FP32 and forced.matmul is M.FLOAT32
-    cal.plan_for(tiny_bf16, "cpu", None, None, None, Forced(), "redo", cache, 2)
+    cal.plan_for(tiny_bf16, "cpu", None, NO_KERNELS, None, Forced(), "redo", cache, 2)
     assert len(calls) == 2
-    off = cal.plan_for(tiny_bf16, "cpu", None, None, None, Forced(), "off", cache, 2)
+    off = cal.plan_for(tiny_bf16, "cpu", None, NO_KERNELS, None, Forced(), "off", cache, 2)
     assert len(calls) == 2
-    assert off.matmul is cal.candidates_for(torch.bfloat16, "cpu", None, None, None).matmul[0]
+    assert off.matmul is cal.candidates_for(torch.bfloat16, "cpu", None, NO_KERNELS, None).matmul[0]
     assert "calibration off" in off.reasons["matmul"]
     monkeypatch.setattr(cal.HostInfo, "read", staticmethod(lambda: dataclasses.replace(HOST, model_name="Other")))
-    cal.plan_for(tiny_bf16, "cpu", None, None, None, Forced(), "auto", cache, 2)
+    cal.plan_for(tiny_bf16, "cpu", None, NO_KERNELS, None, Forced(), "auto", cache, 2)
     assert len(calls) == 3  # another CPU: measured again
-    cal.plan_for(tiny_bf16, "cpu", None, None, None, Forced(), "auto", cache, 1)
+    cal.plan_for(tiny_bf16, "cpu", None, NO_KERNELS, None, Forced(), "auto", cache, 1)
     assert len(calls) == 4  # another thread count too
 
 
 def test_nothing_is_measured_where_there_is_no_choice(tmp_path, monkeypatch, tiny_bf16):
     monkeypatch.setattr(cal, "measure", lambda *a, **k: pytest.fail("measured"))
     every = Forced(M.TORCH, A.TORCH, A.TORCH, E.TORCH)
-    plan = cal.plan_for(tiny_bf16, "cpu", None, None, None, every, "auto", PlanCache(tmp_path), 2)
+    plan = cal.plan_for(tiny_bf16, "cpu", None, NO_KERNELS, None, every, "auto", PlanCache(tmp_path), 2)
     assert plan.matmul is M.TORCH and not list(tmp_path.iterdir())
 
 
@@ -223,21 +224,22 @@ def test_a_real_measurement_on_a_tiny_model_gives_a_plan_that_runs(tmp_path, tin
 
     from pdserve.core.sampling import SamplingParams
     from pdserve.engine.cpu_kernels import load_paged_attention
-    from pdserve.engine.cpu_matmul import load_matmul
+    from pdserve.engine.cpu_matmul import MatmulKernels, load_gemv, load_matmul
     from pdserve.engine.engine import Engine, EngineConfig
     from pdserve.engine.kv_pool import KVPool
     from pdserve.engine.loader import load_model
     from pdserve.engine.sequence import EngineRequest
 
-    kernel, panel = load_paged_attention(kernel_cache_dir), load_matmul(kernel_cache_dir)
+    kernel = load_paged_attention(kernel_cache_dir)
+    kernels = MatmulKernels(load_matmul(kernel_cache_dir), load_gemv(kernel_cache_dir))
     t0 = time.monotonic()
-    plan = cal.plan_for(tiny_bf16, "cpu", kernel, panel, None, Forced(), "auto", PlanCache(tmp_path), 1)
+    plan = cal.plan_for(tiny_bf16, "cpu", kernel, kernels, None, Forced(), "auto", PlanCache(tmp_path), 1)
     assert time.monotonic() - t0 < 60
-    cands = cal.candidates_for(torch.bfloat16, "cpu", kernel, panel, None)
+    cands = cal.candidates_for(torch.bfloat16, "cpu", kernel, kernels, None)
     assert plan.matmul in cands.matmul and plan.decode_attention in cands.decode_attention
     assert set(plan.prefill_attention) <= set(cands.prefill_attention)
     assert {f"matmul@{r}" for r in cal.MATMUL_ROWS} <= set(plan.measured_ms)
-    model, cfg = load_model(tiny_bf16.path, torch.bfloat16, "cpu", matmul=plan.matmul, panel=panel)
+    model, cfg = load_model(tiny_bf16.path, torch.bfloat16, "cpu", matmul=plan.matmul, kernels=kernels)
     pool = KVPool(cfg.num_layers, 64, 4, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16)
     engine = Engine(model, pool, EngineConfig(num_pages=64, page_size=4, max_context=256,
                                               vocab_size=cfg.vocab_size), "cpu", kernel, plan=plan)
@@ -259,3 +261,23 @@ def test_host_names_the_family_and_model_so_cpus_sold_under_one_name_calibrate_a
     assert zen5.model_name == "AMD EPYC (family 26 model 2 stepping 1)"
     assert zen5.isa_flags == {"avx2", "fma", "avx512f", "avx512_bf16"}
     assert _key(host=zen1).digest() != _key(host=zen5).digest()
+
+
+def test_onednn_gemv_is_timed_where_it_differs_from_onednn_only(kernel_cache_dir):
+    """Above GEMV_ROWS onednn_gemv runs oneDNN's code: it takes oneDNN's timing there, so the
+    choice between them turns on the rows where our kernel runs, not on noise."""
+    from pdserve.engine.calibration_measure import measure_matmul
+    from pdserve.engine.cpu_matmul import GEMV_ROWS, MatmulKernels, load_gemv
+    from pdserve.engine.linear import can_pack
+
+    gemv = load_gemv(kernel_cache_dir)
+    if gemv is None or not can_pack(torch.bfloat16, "cpu"):
+        pytest.skip("no AVX-512 BF16 kernel or oneDNN bf16 here")
+    g = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(96, 64, generator=g).bfloat16(), None)]
+    t = measure_matmul(weights, (M.ONEDNN, M.ONEDNN_GEMV), MatmulKernels(gemv=gemv), g)
+    for rows in cal.MATMUL_ROWS:
+        row = t[f"matmul@{rows}"]
+        assert "onednn_gemv" in row
+        if rows > GEMV_ROWS and "onednn" in row:  # (a candidate far behind at fewer rows is dropped)
+            assert row["onednn_gemv"] == row["onednn"]

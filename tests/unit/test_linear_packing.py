@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.core.sampling import SamplingParams  # noqa: E402
-from pdserve.engine.cpu_matmul import load_matmul  # noqa: E402
+from pdserve.engine.cpu_matmul import GEMV_ROWS, MatmulKernels, load_gemv, load_matmul  # noqa: E402
 from pdserve.engine.engine import Engine, EngineConfig  # noqa: E402
 from pdserve.engine.kv_pool import KVPool  # noqa: E402
 from pdserve.engine.linear import (  # noqa: E402
@@ -65,7 +65,7 @@ def tiny_path(tmp_path_factory):
 def test_float32_models_are_never_packed(tiny_path):
     model, _ = load_model(tiny_path, torch.float32, "cpu")
     assert model.matmul is MatmulPath.TORCH
-    assert available_paths(torch.float32, "cpu", panel=object()) == [MatmulPath.TORCH]
+    assert available_paths(torch.float32, "cpu", MatmulKernels(panel=object(), gemv=object())) == [MatmulPath.TORCH]
     assert model.layers[0].qkv_proj.numel() > 0
 
 
@@ -113,7 +113,7 @@ def panel(kernel_cache_dir):
     k = load_matmul(kernel_cache_dir)
     if k is None:
         pytest.skip("no AVX2+FMA CPU or no gcc here: load_matmul gave None")
-    return k
+    return MatmulKernels(panel=k)
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -170,24 +170,77 @@ def test_panel_takes_strided_rows_and_nan(panel):
     assert not y[0].isnan().any() and y[1].isnan().all()
 
 
+# ---- our few-row kernel (cpu_gemv.c) beside oneDNN ------------------------------------------------
+@pytest.fixture(scope="module")
+def gemv(kernel_cache_dir):
+    k = load_gemv(kernel_cache_dir)
+    if k is None or not can_pack(torch.bfloat16, "cpu"):
+        pytest.skip("no AVX-512 BF16 CPU, no gcc or no oneDNN bf16 here")
+    return MatmulKernels(gemv=k)
+
+
+@pytest.mark.parametrize("n,k", [(3072, 576), (37, 70), (9, 31), (200, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_within_bf16_rounding_of_float64(gemv, n, k, bias):
+    """Up to GEMV_ROWS rows on our kernel (any K: its tail is a masked load), more on oneDNN."""
+    g = torch.Generator().manual_seed(n * k + 1)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    lin = make_linear(MatmulPath.ONEDNN_GEMV, w, b, gemv)
+    assert lin.path is MatmulPath.ONEDNN_GEMV
+    for rows in (1, 2, 3, 17):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        y = lin(x)
+        assert y.dtype is torch.bfloat16 and y.shape == (rows, n)
+        ref, tol = _bound(x, w, b)
+        assert ((y.double() - ref).abs() <= tol).all(), (rows, (y.double() - ref).abs().max())
+
+
+def test_gemv_rows_go_to_our_kernel_and_the_rest_to_onednn(gemv, monkeypatch):
+    w = torch.randn(40, 64).bfloat16()
+    lin = make_linear(MatmulPath.ONEDNN_GEMV, w, None, gemv)
+    seen: list[int] = []
+    real = gemv.gemv.linear
+    monkeypatch.setattr(gemv.gemv, "linear", lambda x, *a: seen.append(x.shape[0]) or real(x, *a))
+    for rows in range(1, GEMV_ROWS + 3):
+        lin(torch.randn(rows, 64).bfloat16())
+    assert seen == list(range(1, GEMV_ROWS + 1))
+
+
+def test_gemv_takes_strided_rows_and_nan(gemv):
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(48, 32, generator=g).bfloat16()
+    lin = make_linear(MatmulPath.ONEDNN_GEMV, w, None, gemv)
+    wide = torch.randn(2, 64, generator=g).bfloat16()
+    assert torch.equal(lin(wide[:, :32]), lin(wide[:, :32].contiguous()))
+    x = torch.randn(2, 32, generator=g).bfloat16()
+    x[1, 3] = float("nan")
+    y = lin(x)
+    assert not y[0].isnan().any() and y[1].isnan().all()
+
+
 def test_paths_where_they_exist(panel):
     bf16 = available_paths(torch.bfloat16, "cpu", panel)
     assert bf16[0] is MatmulPath.TORCH and MatmulPath.PANEL in bf16 and MatmulPath.FLOAT32 in bf16
     assert (MatmulPath.ONEDNN in bf16) == can_pack(torch.bfloat16, "cpu")
-    assert MatmulPath.PANEL not in available_paths(torch.bfloat16, "cpu", None)
+    assert MatmulPath.PANEL not in available_paths(torch.bfloat16, "cpu")
+    assert MatmulPath.ONEDNN_GEMV not in bf16  # the few-row kernel was not given
     assert available_paths(torch.bfloat16, "cuda", panel) == [MatmulPath.TORCH]
     assert default_path(torch.bfloat16, "cpu", panel) is (
         MatmulPath.ONEDNN if can_pack(torch.bfloat16, "cpu") else MatmulPath.PANEL)
     with pytest.raises(ValueError, match="panel"):
-        make_linear(MatmulPath.PANEL, torch.zeros(4, 4, dtype=torch.bfloat16), None, None)
+        make_linear(MatmulPath.PANEL, torch.zeros(4, 4, dtype=torch.bfloat16), None)
+    with pytest.raises(ValueError, match="onednn_gemv"):
+        make_linear(MatmulPath.ONEDNN_GEMV, torch.zeros(4, 4, dtype=torch.bfloat16), None)
 
 
-@pytest.mark.parametrize("path", [MatmulPath.PANEL, MatmulPath.FLOAT32])
-def test_bf16_engine_on_each_path_frees_plain_weights_and_runs(tiny_path, panel, path):
+@pytest.mark.parametrize("path", [MatmulPath.PANEL, MatmulPath.FLOAT32, MatmulPath.ONEDNN_GEMV])
+def test_bf16_engine_on_each_path_frees_plain_weights_and_runs(tiny_path, panel, gemv, path):
     """The whole model on the path: its plain weights freed (a tied lm_head keeps the
     embedding), greedy output within bf16 noise of F.linear's (same tokens on this tiny model)."""
     plain, cfg = load_model(tiny_path, torch.bfloat16, "cpu", matmul=MatmulPath.TORCH)
-    other, _ = load_model(tiny_path, torch.bfloat16, "cpu", matmul=path, panel=panel)
+    other, _ = load_model(tiny_path, torch.bfloat16, "cpu", matmul=path,
+                          kernels=MatmulKernels(panel.panel, gemv.gemv))
     assert other.matmul is path
     assert other.layers[0].gate_up_proj.numel() == 0 and other.embed_tokens.numel() > 0
     with pytest.raises(RuntimeError, match="already on"):
