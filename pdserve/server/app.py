@@ -32,10 +32,9 @@ from .http_utils import (
     until_disconnect,
 )
 from .limits import BodyLimit
-from .native_api import NativeCall, item_reply, parse_generate
 from .openai_api import OpenAIReply
 from .openai_protocol import parse_chat, parse_completion
-from .protocol import opt_bool
+from .protocol import NativeCall, item_reply, opt_bool, parse_generate
 from .request_state import ItemProgress
 from .resume import ProgressLines, wants_progress
 from .running import RunningRequests
