@@ -11,10 +11,9 @@ import time
 from ..core.logprobs import TopLogprobs
 from ..core.messages import ErrorInfo, TokenOutput
 from ..core.timeline import Stage, build_timeline
-from .detokenizer import IncrementalDetokenizer
 from .protocol import RequestItem
 from .text_options import StopInText
-from .tokenizer import ServerTokenizer
+from .tokenizer import IncrementalDetokenizer, ServerTokenizer
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
