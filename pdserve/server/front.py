@@ -24,13 +24,12 @@ from ..core.log_format import new_instance_id
 from ..core.messages import WorkerReady
 from ..core.netaddr import resolve_advertise_host
 from ..core.sampling import SamplingParams
-from .dispatcher import DPDispatcher
 from .generation import Generator, Limits
 from .limits import RETRY_AFTER_S, Admission, AdmissionLimits, Slot
 from .metrics import FrontMetrics
 from .protocol import RequestItem
 from .role_table import make_role
-from .roles import Dispatch, FrontRole, RoleContext
+from .roles import Dispatch, DPDispatcher, FrontRole, RoleContext
 from .tokenizer import ServerTokenizer
 from .worker_cmd import DEFAULT_WORKER_MODULE
 from .worker_pool import WorkerPool

@@ -20,11 +20,10 @@ from typing import AsyncIterator
 from ..core.errors import BadRequest, Timeout
 from ..core.log_format import fields
 from ..core.messages import GenerateReq, TokenOutput
-from .dispatcher import DPDispatcher
 from .metrics import FrontMetrics
 from .protocol import RequestItem
 from .request_state import ItemProgress
-from .roles import Dispatch, FrontRole
+from .roles import Dispatch, DPDispatcher, FrontRole
 from .stall_watch import STALLED, StallWatch
 from .tokenizer import ServerTokenizer
 from .worker_pool import WorkerPool
