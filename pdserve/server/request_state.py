@@ -31,7 +31,7 @@ from .text_options import StopInText
 from .tokenizer import IncrementalDetokenizer, ServerTokenizer
 
 if TYPE_CHECKING:
-    from .generation import Generator
+    from .front import Generator
     from .roles import Dispatch
 
 log = logging.getLogger(__name__)

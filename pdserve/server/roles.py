@@ -1,7 +1,7 @@
 """What a server front does differently per role (colocated, prefill, decode), behind one ABC,
 and the DP dispatcher every role picks a worker rank with.
 
-The request path (generation.py) is the same for every role: it asks the role where each
+The request path (front.py's Generator) is the same for every role: it asks the role where each
 item goes and what PD parameters the worker gets, and never looks at the role itself.
 
 `DPDispatcher` methods (docs/architecture.md, DP-rank rules): round_robin, shortest_queue

@@ -13,7 +13,7 @@ from pdserve.core.config import Role, ServerConfig
 from pdserve.core.errors import BadRequest, Overloaded
 from pdserve.core.messages import PDParams, RoomFailedNotice, TokenOutput
 from pdserve.core.sampling import SamplingParams
-from pdserve.server.generation import Generator, Limits
+from pdserve.server.front import Generator, Limits
 from pdserve.server.metrics import FrontMetrics
 from pdserve.server.pd_roles import DecodeFrontRole, PrefillFrontRole
 from pdserve.server.protocol import RequestItem

@@ -15,7 +15,7 @@ from pdserve.core.messages import PDParams, TokenOutput
 from pdserve.core.pd_vocab import LBMethod
 from pdserve.core.sampling import SamplingParams
 from pdserve.server import role_table
-from pdserve.server.generation import Generator, Limits
+from pdserve.server.front import Generator, Limits
 from pdserve.server.metrics import FrontMetrics
 from pdserve.server.protocol import RequestItem
 from pdserve.server.role_table import make_role
