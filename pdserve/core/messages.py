@@ -1,6 +1,6 @@
 """Typed messages between an HTTP front and its DP worker processes.
 
-Fronts and workers exchange these dataclasses over ZMQ (pickled; see worker/channel.py).
+Fronts and workers exchange these dataclasses over ZMQ (pickled; see worker/pump.py).
 Front -> worker: GenerateReq, AbortReq, StatsReq, ShutdownReq, RoomFailedNotice, RoomRoutedNotice,
 RoomDroppedNotice.
 Worker -> front: WorkerReady once, then OutputBatch per engine step and WorkerStats on demand.

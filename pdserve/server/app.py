@@ -19,7 +19,6 @@ from starlette.responses import JSONResponse, Response
 from ..core.errors import BadRequest, NotFound, PDServeError, Unavailable
 from .api_options import ApiOptions
 from .front import Front, error_from
-from .generation import ActiveRequest
 from .http_metrics import HTTPMetricsMiddleware
 from .http_utils import (
     SSE_DONE,
@@ -32,11 +31,10 @@ from .http_utils import (
     until_disconnect,
 )
 from .limits import BodyLimit
-from .native_api import NativeCall, item_reply, parse_generate
 from .openai_api import OpenAIReply
 from .openai_protocol import parse_chat, parse_completion
-from .protocol import opt_bool
-from .request_state import ItemProgress
+from .protocol import NativeCall, item_reply, opt_bool, parse_generate
+from .request_state import ActiveRequest, ItemProgress
 from .resume import ProgressLines, wants_progress
 from .running import RunningRequests
 from .tokenize_api import detokenize, tokenize

@@ -18,14 +18,13 @@ from ..core.errors import BadRequest, PDServeError
 from ..core.messages import PDParams, RoomDroppedNotice, RoomFailedNotice, RoomRoutedNotice
 from ..core.netaddr import check_reachable, host_port, is_loopback
 from ..core.pd_settings import PDSettings
-from ..core.pd_vocab import MAX_ROOM, check_room
+from ..core.pd_vocab import MAX_ROOM, LBMethod, check_room
 from ..disagg.bootstrap_server import start_bootstrap_server
 from ..disagg.bootstrap_table import BootstrapTable
 from ..disagg.dp_rules import decide_prefill_rank
-from .dispatcher import DPDispatcher, LBMethod
 from .limits import RETRY_AFTER_S, Refused
 from .protocol import RequestItem
-from .roles import Dispatch, FrontRole, RoleContext
+from .roles import Dispatch, DPDispatcher, FrontRole, RoleContext
 
 log = logging.getLogger(__name__)
 

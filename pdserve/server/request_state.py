@@ -1,20 +1,40 @@
-"""The front's view of one request item while it runs: output ids, incremental text with stop
-strings applied, logprobs, finish reason or error, and the timeline stages recorded so far
-(its own and its worker's). Both reply styles (native, OpenAI) and the metrics read it.
-The item's TextOptions (text_options.py) say whether special tokens are skipped and whether a
-matched stop string or stop token stays in the text."""
+"""The front's view of a request while it runs.
+
+`ItemProgress`, one request item: output ids, incremental text with stop strings applied,
+logprobs, finish reason or error, and the timeline stages recorded so far (its own and its
+worker's). Both reply styles (native, OpenAI) and the metrics read it. The item's TextOptions
+(text_options.py) say whether special tokens are skipped and whether a matched stop string or
+stop token stays in the text.
+
+`ActiveRequest`, the items `Generator.start` sent to workers: it folds worker outputs into each
+item's `ItemProgress` and yields it on every change. A stop string match aborts that item's
+worker request; `close()` (always called by the route, e.g. on client disconnect or error)
+aborts every unfinished one and releases the dispatcher's load. Metrics are fed on every output
+and at each item's end; a finished item's timeline is logged at debug level.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from typing import TYPE_CHECKING, AsyncIterator
 
+from ..core.errors import Timeout
+from ..core.log_format import fields
 from ..core.logprobs import TopLogprobs
-from ..core.messages import ErrorInfo, TokenOutput
+from ..core.messages import ErrorInfo, GenerateReq, TokenOutput
 from ..core.timeline import Stage, build_timeline
-from .detokenizer import IncrementalDetokenizer
 from .protocol import RequestItem
+from .stall_watch import STALLED, StallWatch
 from .text_options import StopInText
-from .tokenizer import ServerTokenizer
+from .tokenizer import IncrementalDetokenizer, ServerTokenizer
+
+if TYPE_CHECKING:
+    from .front import Generator
+    from .roles import Dispatch
+
+log = logging.getLogger(__name__)
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -157,3 +177,109 @@ class ItemProgress:
         self.finish_reason = reason
         self.finish_time = time.monotonic()
         self.stages[Stage.FINISH.value] = time.time()
+
+
+# ---- the request: its items in flight and the worker outputs folded into them
+
+
+def item_cost(item: RequestItem) -> int:
+    """The tokens an item in flight counts for on its rank (the dispatcher's load)."""
+    return len(item.input_ids) + item.sampling.max_new_tokens
+
+
+class ActiveRequest:
+    """Items already sent to workers. Iterate `events()` once; call `close()` exactly at the end."""
+
+    def __init__(self, gen: Generator, items: list[RequestItem], dispatches: list[Dispatch]):
+        self._gen = gen
+        self.items = items
+        self._where = {it.rid: (it, d) for it, d in zip(items, dispatches)}
+        arrival = time.monotonic()
+        self.progress = {it.rid: ItemProgress(it, gen.tokenizer, arrival) for it in items}
+        self._sink: asyncio.Queue = asyncio.Queue()
+        self._sent: set[str] = set()
+        self._released: set[str] = set()
+        self._reused: dict[str, int] = {}  # rid -> cached prompt tokens taken off its rank's load
+        self._closed = False
+
+    def send_all(self) -> None:
+        for it, d in self._where.values():
+            req = GenerateReq(it.rid, it.input_ids, it.sampling, it.return_logprob, d.pd, time.time(), d.reason,
+                              it.top_logprobs, it.prompt_logprobs, d.health_check)
+            self._gen.pool.submit(d.dp_rank, req, self._sink)
+            self._sent.add(it.rid)
+            self.progress[it.rid].dispatched(d.dp_rank, d.reason)
+            self._gen.metrics.dispatched(d.dp_rank, d.reason)
+
+    def _release(self, rid: str) -> None:
+        if rid not in self._released:
+            self._released.add(rid)
+            it, d = self._where[rid]
+            self._gen.dispatcher.finished(d.dp_rank, item_cost(it) - self._reused.get(rid, 0))
+            self._gen.role.released(rid, d, self.progress[rid].finished and self.progress[rid].error is None)
+
+    def _note_reuse(self, prog: ItemProgress) -> None:
+        if prog.cached_tokens and prog.rid not in self._reused and prog.rid not in self._released:
+            self._reused[prog.rid] = prog.cached_tokens
+            self._gen.dispatcher.reused(self._where[prog.rid][1].dp_rank, prog.cached_tokens)
+
+    def unfinished(self) -> list[str]:
+        return [rid for rid, p in self.progress.items() if not p.finished]
+
+    async def events(self) -> AsyncIterator[ItemProgress]:
+        timeout = self._gen.limits.output_timeout_s
+        watch = StallWatch(asyncio.get_running_loop(), timeout, self._sink)
+        try:
+            while self.unfinished():
+                out = await self._sink.get()
+                if out is STALLED:
+                    pending = self.unfinished()
+                    ranks = sorted({self._where[r][1].dp_rank for r in pending})
+                    raise Timeout(f"no output for {timeout:.0f}s from dp ranks {ranks} for rids {pending}")
+                watch.saw_output()
+                prog = self._apply(out)
+                if prog is not None:
+                    yield prog
+        finally:
+            watch.cancel()
+
+    def _apply(self, out: TokenOutput) -> ItemProgress | None:
+        """Fold one worker output into its item's progress; None if that item already ended."""
+        prog = self.progress.get(out.rid)
+        if prog is None or prog.finished:
+            return None
+        n_before, prev_token_at = len(prog.output_ids), prog.last_token_at
+        if prog.apply(out):
+            self._gen.pool.abort(out.rid, "stop string matched")
+        self._note_reuse(prog)
+        self._gen.metrics.tokens_arrived(prog, len(prog.output_ids) - n_before, prev_token_at)
+        if prog.finished:
+            self._release(out.rid)
+            self._gen.metrics.item_finished(prog)
+            if log.isEnabledFor(logging.DEBUG):
+                tl = prog.timeline()
+                log.debug("timeline", extra=fields(rid=prog.rid, room=tl.get("bootstrap_room"), timeline=tl))
+        return prog
+
+    def abort_item(self, rid: str, reason: str) -> bool:
+        """End one unfinished item now (SGLang's /abort_request): its worker drops it and frees
+        its pages, and its progress finishes with finish_reason abort, so a stream ends cleanly."""
+        prog = self.progress.get(rid)
+        if self._closed or prog is None or prog.finished:
+            return False
+        if rid in self._sent:
+            self._gen.pool.abort(rid, reason)
+        self._sink.put_nowait(TokenOutput(rid, finished=True, finish_reason={"type": "abort", "message": reason}))
+        return True
+
+    def close(self, reason: str = "request closed before it finished (client gone or error)") -> None:
+        """Abort every unfinished item at its worker and release its dispatcher load. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for rid in self.unfinished():
+            if rid in self._sent:
+                self._gen.pool.abort(rid, reason)
+            self._gen.metrics.item_aborted()
+        for rid in self._where:
+            self._release(rid)

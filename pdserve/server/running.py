@@ -14,7 +14,7 @@ import time
 from typing import Callable
 
 from ..core.errors import BadRequest
-from .generation import ActiveRequest
+from .request_state import ActiveRequest
 
 ABORT_REASON = "aborted by /abort_request"
 TAKEN_OVER_REASON = "its answer continues in a migrated request of the same rid"

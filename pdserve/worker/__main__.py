@@ -12,7 +12,7 @@ from ..core.cpu_binding import rank_cpus, set_process_cpus
 from ..core.envs import Envs
 from ..core.log_format import LogContext, configure_logging
 from ..core.messages import WorkerFailed, WorkerReady
-from .channel import WorkerChannel
+from .pump import WorkerChannel
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -22,7 +22,7 @@ from ..core.messages import (
     WorkerStats,
 )
 from ..engine.spin_governor import SpinGovernor
-from .channel import WorkerChannel
+from .pump import WorkerChannel
 from .queue_clock import QueueClock
 from .role import WorkerRole
 

@@ -13,12 +13,11 @@ from pdserve.core.config import Role, ServerConfig
 from pdserve.core.errors import BadRequest, Overloaded
 from pdserve.core.messages import PDParams, RoomFailedNotice, TokenOutput
 from pdserve.core.sampling import SamplingParams
-from pdserve.server.dispatcher import DPDispatcher
-from pdserve.server.generation import Generator, Limits
+from pdserve.server.front import Generator, Limits
 from pdserve.server.metrics import FrontMetrics
 from pdserve.server.pd_roles import DecodeFrontRole, PrefillFrontRole
 from pdserve.server.protocol import RequestItem
-from pdserve.server.roles import RoleContext
+from pdserve.server.roles import DPDispatcher, RoleContext
 
 
 class Pool:

@@ -12,13 +12,12 @@ import pytest
 from pdserve.core.config import Role, ServerConfig
 from pdserve.core.messages import PDParams, TokenOutput
 from pdserve.core.sampling import SamplingParams
-from pdserve.server.dispatcher import DPDispatcher
-from pdserve.server.generation import Generator, Limits
+from pdserve.server.front import Generator, Limits
 from pdserve.server.limits import Refused
 from pdserve.server.metrics import FrontMetrics
 from pdserve.server.pd_roles import PrefillFrontRole
 from pdserve.server.protocol import RequestItem
-from pdserve.server.roles import RoleContext
+from pdserve.server.roles import DPDispatcher, RoleContext
 
 
 class Pool:

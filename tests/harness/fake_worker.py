@@ -1,5 +1,5 @@
 """A torch-free stand-in for `pdserve.worker` (tests only): the real worker loop, channel and
-colocated role (pdserve/worker/loop.py, channel.py, colocated.py) over a FakeEngine
+colocated role (pdserve/worker/loop.py, pump.py, colocated.py) over a FakeEngine
 (fake_engine.py), so a front meets the real worker's side of the ZMQ protocol in a process that
 starts in a blink.
 
@@ -34,9 +34,9 @@ from pdserve.core.envs import Envs
 from pdserve.core.messages import GenerateReq, TokenOutput, WorkerFailed, WorkerReady
 from pdserve.engine.step_io import StepOutput
 from pdserve.worker.__main__ import parse_args
-from pdserve.worker.channel import WorkerChannel
 from pdserve.worker.colocated import ColocatedRole
 from pdserve.worker.loop import WorkerLoop
+from pdserve.worker.pump import WorkerChannel
 from pdserve.worker.role import RoleContext, error_output
 
 from .fake_engine import (

@@ -12,14 +12,14 @@ import pytest
 from pdserve.core.config import Role, ServerConfig
 from pdserve.core.errors import BadRequest, Timeout, Unavailable
 from pdserve.core.messages import PDParams, TokenOutput
+from pdserve.core.pd_vocab import LBMethod
 from pdserve.core.sampling import SamplingParams
 from pdserve.server import role_table
-from pdserve.server.dispatcher import DPDispatcher, LBMethod
-from pdserve.server.generation import Generator, Limits
+from pdserve.server.front import Generator, Limits
 from pdserve.server.metrics import FrontMetrics
 from pdserve.server.protocol import RequestItem
 from pdserve.server.role_table import make_role
-from pdserve.server.roles import ColocatedRole, Dispatch
+from pdserve.server.roles import ColocatedRole, Dispatch, DPDispatcher
 
 
 def test_round_robin_cycles():

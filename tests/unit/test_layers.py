@@ -158,7 +158,7 @@ def test_machines_load_no_io_at_runtime(module):
 # ---- the worker's loop and colocated role run without torch: tests/harness/fake_worker.py runs
 # them over a fake engine, and a fake worker process must start in a blink
 def test_worker_loop_and_colocated_role_load_no_torch():
-    modules = ["pdserve.worker.loop", "pdserve.worker.colocated", "pdserve.worker.channel", "pdserve.engine.step_io",
+    modules = ["pdserve.worker.loop", "pdserve.worker.colocated", "pdserve.worker.pump", "pdserve.engine.step_io",
                "pdserve.engine.allocator", "pdserve.engine.prefix_cache", "pdserve.core.launcher"]
     code = f"import sys, importlib; [importlib.import_module(m) for m in {modules!r}]; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -9,10 +9,9 @@ import pytest
 from pdserve.core.errors import BadRequest
 from pdserve.core.messages import TokenOutput
 from pdserve.core.sampling import SamplingParams
-from pdserve.server.native_api import item_reply, parse_generate
 from pdserve.server.openai_api import OpenAIReply
 from pdserve.server.openai_protocol import parse_chat, parse_completion
-from pdserve.server.protocol import RequestItem
+from pdserve.server.protocol import RequestItem, item_reply, parse_generate
 from pdserve.server.request_state import ItemProgress
 from pdserve.server.text_options import StopInText, TextOptions
 from pdserve.server.tokenizer import ServerTokenizer

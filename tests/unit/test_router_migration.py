@@ -20,11 +20,10 @@ from pdserve.router.pd_body import Route, inspect_request, leg_bodies
 from pdserve.router.policies import make_policy
 from pdserve.router.upstream import Upstream, UpstreamPool
 from pdserve.server.app import native_events, openai_events
-from pdserve.server.generation import ActiveRequest
-from pdserve.server.native_api import parse_generate
 from pdserve.server.openai_api import OpenAIReply
 from pdserve.server.openai_protocol import parse_chat, parse_completion
-from pdserve.server.request_state import ItemProgress
+from pdserve.server.protocol import parse_generate
+from pdserve.server.request_state import ActiveRequest, ItemProgress
 from pdserve.server.resume import ProgressLines, parse_resume
 from pdserve.server.tokenizer import ServerTokenizer
 from tests.harness.fake_worker import write_fake_model

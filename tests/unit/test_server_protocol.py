@@ -8,10 +8,9 @@ import pytest
 from pdserve.core.errors import BadRequest
 from pdserve.core.messages import ErrorInfo, TokenOutput
 from pdserve.core.sampling import SamplingParams
-from pdserve.server.native_api import item_reply, parse_generate
 from pdserve.server.openai_api import OpenAIReply
 from pdserve.server.openai_protocol import parse_chat, parse_completion
-from pdserve.server.protocol import DEFAULT_BOOTSTRAP_PORT, RequestItem
+from pdserve.server.protocol import DEFAULT_BOOTSTRAP_PORT, RequestItem, item_reply, parse_generate
 from pdserve.server.request_state import ItemProgress, held_back
 from pdserve.server.tokenizer import ServerTokenizer
 from tests.harness.fake_worker import write_fake_model

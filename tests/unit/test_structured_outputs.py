@@ -22,8 +22,8 @@ from pdserve.engine.loader import load_model
 from pdserve.engine.sampler import TokenHistory, make_generator, sample
 from pdserve.engine.sequence import EngineRequest
 from pdserve.grammar.matcher import Matchers
-from pdserve.server.native_api import parse_generate
 from pdserve.server.openai_protocol import parse_chat, parse_completion
+from pdserve.server.protocol import parse_generate
 from pdserve.server.structured_outputs import with_grammar
 from pdserve.server.tokenizer import ServerTokenizer
 from tests.harness.fake_worker import write_fake_model

@@ -11,8 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.core.errors import BadRequest
-from pdserve.server.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
-from pdserve.server.tokenizer import ServerTokenizer
+from pdserve.server.tokenizer import CONTEXT_TOKENS, IncrementalDetokenizer, ServerTokenizer
 from tests.harness.fake_worker import CORPUS, write_fake_model
 
 transformers = pytest.importorskip("transformers")

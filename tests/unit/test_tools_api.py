@@ -18,9 +18,9 @@ from pdserve.core.errors import BadRequest
 from pdserve.core.messages import TokenOutput
 from pdserve.server.api_options import ApiOptions, ModelNotFound
 from pdserve.server.chat_output import ChatOutput, ChatShape
-from pdserve.server.native_api import parse_generate
 from pdserve.server.openai_api import OpenAIReply
 from pdserve.server.openai_protocol import parse_chat, parse_completion
+from pdserve.server.protocol import parse_generate
 from pdserve.server.reasoning import REASONING_PARSERS
 from pdserve.server.request_state import ItemProgress
 from pdserve.server.sampling_defaults import load_sampling_defaults
