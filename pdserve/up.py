@@ -30,6 +30,7 @@ import urllib.request
 from .core.cpu_binding import UP_DP, up_layout
 from .core.launcher import ProcessGroup, http_ok, stop_all
 from .core.netaddr import host_port, local_connect_host
+from .core.pd_vocab import SERVED_BACKENDS
 from .router.config import POLICY_NAMES
 
 STOP_GRACE_S = 20.0  # SIGTERM to each front, then SIGKILL to its whole group
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"prefill DP workers (default {UP_DP} with at least {2 * UP_DP} cores, else 1)")
     p.add_argument("--decode-dp", type=int, default=None,
                    help=f"decode DP workers (default {UP_DP} with at least {2 * UP_DP} cores, else 1)")
-    p.add_argument("--transfer-backend", default="tcp", choices=["tcp", "mooncake", "nixl"])
+    p.add_argument("--transfer-backend", default="tcp", choices=SERVED_BACKENDS)
     p.add_argument("--max-total-tokens", type=int, default=32768, help="KV pool tokens per worker")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--disable-prefix-cache", "--disable-radix-cache", action="store_true",

@@ -27,6 +27,7 @@ import httpx
 
 from ..core.config import add_dataclass_args, dataclass_from_args
 from ..core.launcher import ProcessGroup, free_port, http_ok, stop_all
+from ..core.pd_vocab import SERVED_BACKENDS
 from .arrivals import ArrivalKind
 from .datasets import TokenCounter, random_requests
 from .serve import BenchConfig, BenchError
@@ -64,7 +65,7 @@ class SweepConfig:
     decode_dp: int = _opt("DP workers of the decode server", default=1)
     threads_per_worker: int = _opt("torch threads per worker (0 = cores / workers)", default=0)
     max_total_tokens: int = _opt("KV pool tokens per worker", default=16384)
-    transfer_backend: str = _opt("KV transfer backend of the PD cluster", ("tcp", "mooncake", "nixl"), default="tcp")
+    transfer_backend: str = _opt("KV transfer backend of the PD cluster", SERVED_BACKENDS, default="tcp")
     server_args: str = _opt("extra flags for every `pdserve serve`, e.g. '--dtype float32'", default="")
     seed: int = _opt("seed of the prompts and arrivals (load point i uses seed + i)", default=1)
     request_timeout: float = _opt("seconds one request may take", default=600.0)

@@ -9,7 +9,7 @@ import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
-from .pd_vocab import DEFAULT_BOOTSTRAP_PORT, LB_METHODS
+from .pd_vocab import DEFAULT_BOOTSTRAP_PORT, KV_DTYPES, LB_METHODS, SERVED_BACKENDS
 
 
 class Role(str, enum.Enum):
@@ -47,12 +47,12 @@ class ServerConfig:
                                aliases=("--disaggregation-bootstrap-port",))
     transfer_port: int = _opt("port of DP rank 0's transfer endpoint; rank r listens on this + r, so a "
                               "firewall or a proxy can name them (0 = any free port)", default=0)
-    transfer_backend: str = _opt("KV transfer backend", ("tcp", "mooncake", "nixl"), default="tcp",
+    transfer_backend: str = _opt("KV transfer backend", SERVED_BACKENDS, default="tcp",
                                  aliases=("--disaggregation-transfer-backend",))
     force_query_prefill_dp_rank: bool = _opt(
         "prefill: allow mixed routing; decode: always query the prefill DP rank", default=False)
     dtype: str = _opt("weights and KV dtype (auto: the checkpoint's torch_dtype if bfloat16 or float16, "
-                      "else bfloat16 where supported)", ("auto", "bfloat16", "float16", "float32"),
+                      "else bfloat16 where supported)", ("auto", *KV_DTYPES),
                       default="auto")
     device: str = _opt("torch device", ("cpu", "cuda"), default="cpu")
     page_size: int = _opt("tokens per KV page", default=16)

@@ -1,10 +1,12 @@
 """The PD vocabulary every layer shares: rooms and ranks, the bootstrap port, the DP
-load-balance methods (with `auto` resolved here, once) and the bootstrap protocol's limits.
+load-balance methods (with `auto` resolved here, once), the two names both legs must agree on
+(KV dtype, transfer backend: one enum and one parser each) and the bootstrap protocol's limits.
 No I/O; imports nothing but core.errors, so servers, routers and workers can all use it."""
 
 from __future__ import annotations
 
 import enum
+from typing import TypeVar
 
 from .errors import BadRequest
 
@@ -41,6 +43,61 @@ class LBMethod(str, enum.Enum):
 
 LB_METHODS = tuple(m.value for m in LBMethod)
 FOLLOW = LBMethod.FOLLOW_BOOTSTRAP_ROOM.value
+
+
+class WireName(str, enum.Enum):
+    """A name of a closed set that reads as its wire spelling: str(), format() and repr() give the
+    value, so a message says 'bfloat16' whether the value came typed or as text."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+N = TypeVar("N", bound=WireName)
+
+
+def _member(cls: type[N], name: object, what: str) -> N:
+    try:
+        return cls(name)
+    except ValueError:
+        raise ValueError(f"unknown {what} {name!r}; known: {', '.join(sorted(m.value for m in cls))}") from None
+
+
+class KvDtype(WireName):
+    """The dtypes of a KV pool (and of the weights): torch's names without "torch."."""
+
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FLOAT32 = "float32"
+
+    @classmethod
+    def parse(cls, name: object) -> KvDtype:
+        """The dtype `name` spells ("bfloat16", or torch's "torch.bfloat16"); ValueError if unknown."""
+        return _member(cls, name.removeprefix("torch.") if isinstance(name, str) else name, "KV cache dtype")
+
+
+class BackendName(WireName):
+    """The transfer backends (transfer/registry.py has their classes)."""
+
+    TCP = "tcp"
+    MOONCAKE = "mooncake"
+    NIXL = "nixl"
+    FAKE = "fake"  # in-process, for tests: no server offers it
+
+    @classmethod
+    def parse(cls, name: object) -> BackendName:
+        """The backend `name` spells; ValueError naming the known ones if it is none of them."""
+        return _member(cls, name, "transfer backend")
+
+
+KV_DTYPES = tuple(d.value for d in KvDtype)
+SERVED_BACKENDS = tuple(b.value for b in BackendName if b is not BackendName.FAKE)  # --transfer-backend
 
 
 def check_room(room: object, what: str = "bootstrap_room") -> int:

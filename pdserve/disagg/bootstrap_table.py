@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, TypeVar, cast
 from ..core.config import Role
 from ..core.envs import Envs
 from ..core.errors import BadRequest, Unavailable
-from ..core.pd_vocab import FOLLOW, check_rank, check_room
+from ..core.pd_vocab import FOLLOW, BackendName, KvDtype, check_rank, check_room
 from ..transfer.base import Endpoint
 from .dp_rules import effective_method
 
@@ -37,6 +37,16 @@ def _field(d: dict[str, Any], key: str, kind: type[T], default: T = _NO_DEFAULT)
     return v
 
 
+def _name(d: dict[str, Any], key: str, parse: Callable[[object], T], default: T = _NO_DEFAULT) -> T:
+    """d[key] parsed by `parse` (KvDtype.parse, BackendName.parse), else BadRequest naming the field."""
+    if d.get(key) is None and default is not _NO_DEFAULT:
+        return default
+    try:
+        return parse(_field(d, key, str))
+    except ValueError as e:
+        raise BadRequest(f"field {key!r}: {e}") from None
+
+
 @dataclass(frozen=True)
 class RankInfo:
     """One prefill DP worker's registration (body of PUT /route)."""
@@ -46,11 +56,11 @@ class RankInfo:
     rank_ip: str
     rank_port: int
     page_size: int
-    kv_cache_dtype: str
+    kv_cache_dtype: KvDtype
     load_balance_method: str
     fingerprint: dict[str, Any] = field(default_factory=dict)  # architecture, layers, KV heads, head dim
     endpoint: Endpoint = field(default_factory=dict)  # the transfer backend's descriptor
-    transfer_backend: str = "tcp"
+    transfer_backend: BackendName = BackendName.TCP
 
     @classmethod
     def from_json(cls, d: object) -> "RankInfo":
@@ -76,17 +86,17 @@ class RankInfo:
             rank_ip=_field(d, "rank_ip", str),
             rank_port=port,
             page_size=page_size,
-            kv_cache_dtype=_field(d, "kv_cache_dtype", str),
+            kv_cache_dtype=_name(d, "kv_cache_dtype", KvDtype.parse),
             load_balance_method=method,
             fingerprint=_field(d, "fingerprint", dict, {}),
             endpoint=_field(d, "endpoint", dict, {}),
-            transfer_backend=_field(d, "transfer_backend", str, "tcp"),
+            transfer_backend=_name(d, "transfer_backend", BackendName.parse, BackendName.TCP),
         )
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
-    def peer(self) -> dict[str, Any]:
+    def peer(self) -> Endpoint:
         """This rank's transfer endpoint descriptor (registrations without one name ip and port)."""
         return self.endpoint or {"backend": self.transfer_backend, "ip": self.rank_ip, "port": self.rank_port}
 
@@ -97,13 +107,13 @@ class Topology:
 
     dp_size: int
     page_size: int
-    kv_cache_dtype: str
+    kv_cache_dtype: KvDtype
     follow_bootstrap_room: bool
     force_query_dp_rank: bool
     fingerprint: dict[str, Any]
     instance_id: str
     load_balance_method: str = FOLLOW
-    transfer_backend: str = "tcp"
+    transfer_backend: BackendName = BackendName.TCP
     forwards_kv_requests: bool = False  # a room's home rank passes a KvReq on to its holder
 
     @classmethod
@@ -113,13 +123,13 @@ class Topology:
         return cls(
             dp_size=_field(d, "dp_size", int),
             page_size=_field(d, "page_size", int),
-            kv_cache_dtype=_field(d, "kv_cache_dtype", str),
+            kv_cache_dtype=_name(d, "kv_cache_dtype", KvDtype.parse),
             follow_bootstrap_room=_field(d, "follow_bootstrap_room", bool),
             force_query_dp_rank=_field(d, "force_query_dp_rank", bool),
             fingerprint=_field(d, "fingerprint", dict, {}),
             instance_id=_field(d, "instance_id", str),
             load_balance_method=_field(d, "load_balance_method", str, FOLLOW),
-            transfer_backend=_field(d, "transfer_backend", str, "tcp"),
+            transfer_backend=_name(d, "transfer_backend", BackendName.parse, BackendName.TCP),
             forwards_kv_requests=_field(d, "forwards_kv_requests", bool, False),
         )
 

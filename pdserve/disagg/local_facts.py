@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.kv_layout import KVLayout
+from ..core.pd_vocab import BackendName, KvDtype
 from ..transfer.base import Endpoint, layout_to_dict
 from .wire import KvReq
 
@@ -19,16 +20,18 @@ COMPAT_KEYS = ("backend", "page_size", "kv_dtype", "fingerprint")  # what a KvRe
 class LocalFacts:
     """This worker's transfer facts. `page_size` and `kv_dtype` are the layout's (`of`)."""
 
-    backend: str  # the transfer backend's name: tcp, mooncake, nixl, fake
+    backend: BackendName
     page_size: int
-    kv_dtype: str  # e.g. "bfloat16"
+    kv_dtype: KvDtype
     fingerprint: dict[str, Any]  # the model's (hf_config.ModelConfig.fingerprint)
     layout: KVLayout
     endpoint: Endpoint
 
     @classmethod
     def of(cls, backend: str, layout: KVLayout, fingerprint: dict[str, Any], endpoint: Endpoint) -> LocalFacts:
-        return cls(backend, layout.page_size, layout.dtype, fingerprint, layout, endpoint)
+        """`backend` is a name (BackendName.parse: ValueError if unknown)."""
+        return cls(BackendName.parse(backend), layout.page_size, KvDtype.parse(layout.dtype), fingerprint, layout,
+                   endpoint)
 
     def kv_req_fields(self) -> dict[str, Any]:
         """The KvReq fields that say what this decode is, in their wire spelling."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..core.kv_layout import KVLayout
+from ..core.pd_vocab import KvDtype
 
 
 class KVPool:
@@ -51,7 +52,7 @@ class KVPool:
             page_bytes=page_bytes,
             region_stride=page_bytes * self.num_pages,
             page_size=self.page_size,
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype=KvDtype.parse(str(self.dtype)),
         )
 
     @staticmethod

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.pd_vocab import KvDtype
 from .families import ACTIVATIONS, FAMILIES, FULL, SLIDING, MLPKind, WindowRule, default_layer_types
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
@@ -23,7 +24,6 @@ ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "yarn": ("factor", "original_max_position_embeddings"), "dynamic": ("factor",),
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
 }
-DTYPE_NAMES = ("float16", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class ModelConfig:
     attn_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
     final_softcap: float | None = None  # the same on the logits
-    torch_dtype: str | None = None  # the checkpoint's dtype, one of DTYPE_NAMES, if stated
+    torch_dtype: str | None = None  # the checkpoint's dtype, a KvDtype value, if stated and served
     moe: MoESpec | None = None
 
     @property
@@ -283,8 +283,11 @@ def _opt_float(v: Any) -> float | None:
 
 
 def _dtype_name(v: Any) -> str | None:
-    name = str(v).removeprefix("torch.") if v else None
-    return name if name in DTYPE_NAMES else None
+    """A checkpoint's torch_dtype if we serve it (KvDtype.parse), else None."""
+    try:
+        return KvDtype.parse(str(v)).value if v else None
+    except ValueError:
+        return None
 
 
 def _opt_int(v: Any) -> int | None:

@@ -13,12 +13,13 @@ import operator
 import queue
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import msgspec
 
 from ..core.errors import HandoffFailed
 from ..core.kv_layout import KVLayout
+from ..core.pd_vocab import BackendName
 
 PROTOCOL_VERSION = 1
 # an endpoint's descriptor as `start()` returns it: backend, version, ip, port, instance, and
@@ -211,7 +212,7 @@ class TransferBackend(ABC):
     implement start/send/recv/close and `_copy`; `write_pages` validates and plans for them.
     """
 
-    name: str = "?"
+    name: ClassVar[BackendName]  # each backend's, also its descriptor's "backend"
     protocol_version: int = PROTOCOL_VERSION
     networked: bool = True  # peers connect to the descriptor's ip:port (False: in-process only)
 

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from ..core.kv_layout import KVLayout
+from ..core.pd_vocab import BackendName
 from .base import (
     Endpoint,
     Inbox,
@@ -88,7 +89,7 @@ class FakeFabric:
 class FakeBackend(TransferBackend):
     """Fake endpoint on a FakeFabric (a private one if none is given)."""
 
-    name = "fake"
+    name = BackendName.FAKE
     networked = False
 
     def __init__(self, fabric: FakeFabric | None = None):

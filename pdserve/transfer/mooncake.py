@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from ..core.kv_layout import KVLayout
 from ..core.netaddr import host_port
+from ..core.pd_vocab import BackendName
 from .base import Endpoint, PageCopy, TransferBackend, TransferError, peer_name
 from .tcp import TcpBackend
 
@@ -56,7 +57,7 @@ class _ControlChannel(TcpBackend):
     """The tcp backend's ordered message path under the mooncake name, over a pool of no pages:
     a plain tcp endpoint is refused at its hello, and no page write can land through it."""
 
-    name = "mooncake"
+    name = BackendName.MOONCAKE
 
     def publish(self, extra: dict) -> dict:
         """Add the engine's fields to this endpoint's descriptor, which hellos carry to peers
@@ -79,7 +80,7 @@ class MooncakeBackend(TransferBackend):
     raise TransferError carrying the engine's code.
     """
 
-    name = "mooncake"
+    name = BackendName.MOONCAKE
 
     def __init__(self, protocol: str = "tcp", device: str = "", connect_timeout: float = 5.0,
                  io_timeout: float = 60.0):

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..core.kv_layout import KVLayout
+from ..core.pd_vocab import BackendName
 from .base import Endpoint, PageCopy, TransferBackend, TransferError, peer_name
 from .nixl_agent import import_api, import_problem, new_agent  # noqa: F401 - import_problem is this backend's probe
 from .nixl_gate import NotifGate, notif_for
@@ -67,7 +68,7 @@ class _ControlChannel(TcpBackend):
     """The tcp backend's ordered message path under the nixl name, over a pool of no pages:
     a tcp endpoint is refused at its hello, and no page write can land through it."""
 
-    name = "nixl"
+    name = BackendName.NIXL
 
     def publish(self, extra: dict) -> dict:
         """Add the agent's fields to this endpoint's descriptor, which hellos carry to peers."""
@@ -98,7 +99,7 @@ class NixlBackend(TransferBackend):
     raise TransferError naming the peer and NIXL's error.
     """
 
-    name = "nixl"
+    name = BackendName.NIXL
 
     def __init__(self, connect_timeout: float = 5.0, io_timeout: float = 60.0,
                  plugins: tuple[str, ...] = PLUGINS):

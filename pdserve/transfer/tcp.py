@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ..core.kv_layout import KVLayout
 from ..core.netaddr import AddressError, family_of, host_port, resolve_advertise_host, strip_brackets
+from ..core.pd_vocab import BackendName
 from . import tcp_wire as wire
 from .base import Endpoint, Inbox, PageCopy, TransferBackend, TransferError, memory_view, out_of_bounds, peer_name
 from .tcp_socket import arm_deadline, closed_by_peer, is_same_host, shutdown, tune
@@ -40,7 +41,7 @@ class TcpBackend(TransferBackend):
     Peers are keyed by instance: a peer restarted on the same address replaces (and closes) the
     connection to its old instance."""
 
-    name = "tcp"
+    name = BackendName.TCP
 
     def __init__(self, connect_timeout: float = 5.0, io_timeout: float = 60.0,
                  sockbuf_bytes: int = 0, local_sockbuf_bytes: int = 256 << 10):

@@ -10,6 +10,7 @@ import torch
 
 from ..core.config import ServerConfig
 from ..core.cpu_binding import rank_cpus, threads_for
+from ..core.pd_vocab import KvDtype
 from ..engine.calibration import Forced, PlanCache, plan_for
 from ..engine.cpu_fused import load_fused_ops
 from ..engine.cpu_kernels import PagedAttentionKernel, load_paged_attention
@@ -25,7 +26,7 @@ from ..model_files.resolve import cache_root
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DTYPES = {KvDtype.BFLOAT16: torch.bfloat16, KvDtype.FLOAT32: torch.float32, KvDtype.FLOAT16: torch.float16}
 
 
 def pick_dtype(name: str, device: str, checkpoint: str | None = None) -> torch.dtype:
@@ -33,7 +34,7 @@ def pick_dtype(name: str, device: str, checkpoint: str | None = None) -> torch.d
     float32 (or unstated) checkpoint is served in bfloat16 where this device has it, as vLLM
     and SGLang serve float32 checkpoints in half precision (--dtype float32 keeps float32)."""
     if name != "auto":
-        return DTYPES[name]
+        return DTYPES[KvDtype.parse(name)]
     half_ok = device == "cuda" or torch.backends.mkldnn.is_available()
     if checkpoint == "float16":
         return torch.float16

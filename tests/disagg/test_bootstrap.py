@@ -3,6 +3,7 @@ over real HTTP on 127.0.0.1."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -10,6 +11,7 @@ import pytest
 
 from pdserve.core.errors import BadRequest, Unavailable
 from pdserve.core.launcher import free_port
+from pdserve.core.pd_vocab import BackendName, KvDtype
 from pdserve.disagg.bootstrap_client import BootstrapClient, BootstrapError, bootstrap_addr
 from pdserve.disagg.bootstrap_server import MAX_QUERY_ROOMS, ThreadedBootstrap
 from pdserve.disagg.bootstrap_table import BootstrapTable, RankInfo
@@ -117,6 +119,28 @@ def test_registration_must_agree_with_other_ranks(field, value):
     t.register_rank(rank_info(0))
     with pytest.raises(BadRequest, match=f"rank 1 registered {field}=.*rank 0 registered {field}="):
         t.register_rank(rank_info(1, **{field: value}))
+
+
+def test_registration_names_parse_to_their_enums_or_name_the_field():
+    info = rank_info(0, kv_cache_dtype="float32", transfer_backend="mooncake")
+    assert info.kv_cache_dtype is KvDtype.FLOAT32 and info.transfer_backend is BackendName.MOONCAKE
+    assert rank_info(0, transfer_backend=None).transfer_backend is BackendName.TCP  # the default
+    assert info.to_json()["kv_cache_dtype"] == "float32" and json.dumps(info.to_json())  # its wire spelling
+    with pytest.raises(BadRequest, match=r"field 'kv_cache_dtype': unknown KV cache dtype 'bf16'; known: "
+                                         r"bfloat16, float16, float32"):
+        rank_info(0, kv_cache_dtype="bf16")
+    with pytest.raises(BadRequest, match=r"field 'transfer_backend': unknown transfer backend 'rdma'; known: "
+                                         r"fake, mooncake, nixl, tcp"):
+        rank_info(0, transfer_backend="rdma")
+
+
+def test_dtype_and_backend_names_have_one_parser():
+    assert KvDtype.parse("bfloat16") is KvDtype.parse("torch.bfloat16") is KvDtype.BFLOAT16  # torch's str()
+    assert BackendName.parse("nixl") is BackendName.NIXL and BackendName.parse(BackendName.TCP) is BackendName.TCP
+    assert f"{KvDtype.FLOAT16} {BackendName.TCP!r}" == "float16 'tcp'"  # they read as their wire spelling
+    for parse, bad in ((KvDtype.parse, "float64"), (KvDtype.parse, None), (BackendName.parse, "TCP")):
+        with pytest.raises(ValueError, match=f"unknown .* {bad!r}; known: "):
+            parse(bad)
 
 
 def test_registration_dp_size_consistent():
@@ -241,6 +265,8 @@ def test_query_batching_found_failed_absent(serve, client, http):
     ("PUT", "/route", rank_body(0, dp_rank=2)),
     ("PUT", "/route", rank_body(0, rank_port=True)),
     ("PUT", "/route", rank_body(0, load_balance_method="random")),
+    ("PUT", "/route", rank_body(0, kv_cache_dtype="bf17")),
+    ("PUT", "/route", rank_body(0, transfer_backend="rdma")),
     ("PUT", "/route", rank_body(0, dp_size=0)),
     ("PUT", "/route", rank_body(0, dp_size=3)),  # table has dp_size 2
     ("GET", "/route?prefill_dp_rank=abc", None),
