@@ -36,6 +36,7 @@ from .prefill_events import (
     Drop,
     Fail,
     FromDecode,
+    Malformed,
     MarkFailed,
     PrefillAccept,
     PrefillDone,
@@ -146,8 +147,10 @@ class PrefillSender:
         try:
             msg = wire.from_wire(raw)
         except wire.BadMessage as e:
-            log.warning("prefill dp_rank %d: %s from %s; ignored", self.dp_rank, e, peer_name(sender))
-            return
+            log.warning("prefill dp_rank %d: %s from %s", self.dp_rank, e, peer_name(sender))
+            endpoint = raw.get("endpoint") if isinstance(raw, dict) else None
+            return self._step(Malformed(e.room, e.kind, e.detail, endpoint if isinstance(endpoint, dict) else None,
+                                        **_stamp()))
         self._step(FromDecode(sender, msg, **_stamp()))
 
     def poll(self, now: float | None = None) -> list[HandoffDone]:

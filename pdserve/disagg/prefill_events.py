@@ -2,7 +2,8 @@
 WriteFacts a page write reports. Plain data; the rules are in prefill_machine.
 
 Events:  PrefillAccept (the prefill request), PrefillDone (pages + the engine's aux facts),
-         FromDecode (a typed wire message: KvReq / KvAbort), Fail (abort), MarkFailed (the front
+         FromDecode (a typed wire message: KvReq / KvAbort), Malformed (one that did not parse),
+         Fail (abort), MarkFailed (the front
          failed the room), Drop (the decode prefilled it itself), RoomRouted (the front sent a
          room homed here elsewhere), WriteReturned (a page-write job came back, ok or not), and
          the shared Tick (deadlines, reaping, expiry).
@@ -50,6 +51,16 @@ class FromDecode(Event):
 
     sender: Endpoint
     msg: wire.Message
+
+
+@dataclass(frozen=True)
+class Malformed(Event):
+    """A decode's control message that did not parse (wire.BadMessage)."""
+
+    room: int | None  # None: it had no integer room
+    kind: object  # its "t"
+    error: str  # what is wrong with it
+    endpoint: Endpoint | None  # where it asks to be answered, if it names a descriptor
 
 
 @dataclass(frozen=True)

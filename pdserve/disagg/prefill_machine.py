@@ -10,7 +10,9 @@ must pass), prefill_messages (what a room tells its decode and, once over, its c
 A KvReq for a room whose request is not here yet waits as an early note; one for a room homed
 here that the front sent to another rank is forwarded there (the decode hears KvMoved), and a
 KvAbort follows it. A failed room is remembered as doomed, so a late request or KvReq for it
-fails at once. Tick applies the bootstrap deadline, reports finished rooms and expires notes.
+fails at once. A KvReq that does not parse (wire.BadMessage) but names its room and endpoint is
+refused like an incompatible one. Tick applies the bootstrap deadline, reports finished rooms
+and expires notes.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .prefill_events import (
     Drop,
     Fail,
     FromDecode,
+    Malformed,
     MarkFailed,
     PrefillAccept,
     PrefillDone,
@@ -208,11 +211,7 @@ class PrefillHandoffs(HandoffMachine[PrefillEffect]):
         room, peer, notes = msg.room, msg.endpoint, self.notes
         r = self.rooms.get(room)
         if r is not None and r.state not in (R.BOOTSTRAPPING, R.PREFILLED):
-            if r.state.unheard:  # ended before its decode spoke: answer it now
-                r.peer = peer
-                r.move(r.state.heard, ev.now)
-                self._tell_failed(r, out)
-            return  # else a duplicate: this room already has its decode
+            return self._answer_late(r, peer, ev.now, out)
         if r is None and room in notes.routes and msg.forwarded_by is None:
             return self._forward(msg, notes.routes[room], ev.now, out)
         problem, cause = kv_req_problem(msg, self.local, self.dp_rank, self.instance_id, notes.doomed)
@@ -226,6 +225,34 @@ class PrefillHandoffs(HandoffMachine[PrefillEffect]):
             notes.early[room] = Early(peer, msg, ev.now)
         else:
             self._attach(r, msg, ev, out)
+
+    def _on_malformed(self, ev: Malformed, out: list[PrefillEffect]) -> None:
+        """A KvReq that did not parse but names its room and endpoint is refused like an
+        incompatible one (the holder of a room routed elsewhere is told too); the rest was logged."""
+        room, peer = ev.room, ev.endpoint
+        if ev.kind != wire.KV_REQ or room is None or peer is None:
+            return
+        r, doomed = self.rooms.get(room), self.notes.doomed.get(room)
+        if r is not None and r.state not in (R.BOOTSTRAPPING, R.PREFILLED):
+            return self._answer_late(r, peer, ev.now, out)
+        reason, cause = (doomed.reason, doomed.cause) if doomed else (
+            f"room {room}: prefill dp_rank {self.dp_rank} cannot read the decode's kv_req: {ev.error}",
+            FailureCause.INCOMPATIBLE)
+        if r is not None:
+            return self._fail(r, reason, cause, ev.now, out, peer=peer)
+        self.notes.early.pop(room, None)
+        route = self.notes.routes.get(room)
+        if route is not None and doomed is None:
+            out.append(Send(route.endpoint, wire.KvAbort(room=room, reason=reason)))
+        self._refuse(peer, room, reason, cause, ev.now, out)
+
+    def _answer_late(self, r: PrefillRoom, peer: Endpoint, now: float, out: list[PrefillEffect]) -> None:
+        """A KvReq for a room past waiting for one: a room that ended before its decode spoke
+        answers it now; else it is a duplicate (the room has its decode) and is dropped."""
+        if r.state.unheard:
+            r.peer = peer
+            r.move(r.state.heard, now)
+            self._tell_failed(r, out)
 
     def _on_kv_abort(self, msg: wire.KvAbort, ev: FromDecode, out: list[PrefillEffect]) -> None:
         """Fail the room and always answer (KvDone or KvFail): the decode keeps its pages until
@@ -286,6 +313,7 @@ class PrefillHandoffs(HandoffMachine[PrefillEffect]):
     def _report(self, r: PrefillRoom) -> HandoffDone:
         return room_report(r, self.dp_rank)
 
-    HANDLERS = {PrefillAccept: _on_accept, PrefillDone: _on_prefill_done, FromDecode: _on_message, Fail: _on_fail,
+    HANDLERS = {PrefillAccept: _on_accept, PrefillDone: _on_prefill_done, FromDecode: _on_message,
+                Malformed: _on_malformed, Fail: _on_fail,
                 MarkFailed: _on_mark_failed, Drop: _on_drop, RoomRouted: _on_room_routed,
                 WriteReturned: _on_write_returned, Tick: _on_tick}

@@ -86,7 +86,13 @@ Message = Union[KvReq, KvAbort, KvDone, KvFail, KvMoved]
 
 
 class BadMessage(ValueError):
-    """A control message that is not one of ours or has a field of the wrong type."""
+    """A control message that is not one of ours or has a field of the wrong type: `kind` (its
+    "t") and `room` (None unless an integer) are what could be read of it, `detail` what is wrong."""
+
+    def __init__(self, kind: object, room: object, detail: str) -> None:
+        super().__init__(f"malformed {kind!r} control message for room {room}: {detail}")
+        self.kind, self.detail = kind, detail
+        self.room = room if isinstance(room, int) and not isinstance(room, bool) else None
 
 
 def to_wire(msg: Message) -> dict[str, Any]:
@@ -102,5 +108,5 @@ def from_wire(d: object) -> Message:
     except msgspec.ValidationError as e:
         kind = d.get("t") if isinstance(d, dict) else type(d).__name__
         room = d.get("room") if isinstance(d, dict) else None
-        raise BadMessage(f"malformed {kind!r} control message for room {room}: {e}") from None
+        raise BadMessage(kind, room, str(e)) from None
 

@@ -351,6 +351,24 @@ def test_messages_without_room_or_endpoint_are_ignored(link):
     assert link.sender.poll() == [] and not link.sender.early
 
 
+@pytest.mark.parametrize("request_first", [True, False])
+def test_a_kv_req_that_does_not_parse_fails_both_legs_naming_the_room(link, request_first):
+    if request_first:
+        link.sender.accept(ROOM, "p-1", PROMPT)
+    req = link.decode_sends_req()
+    link.sender.on_message(link.d_local["endpoint"], {**req, "prompt_len": "ten"})
+    [msg] = link.to_decode()
+    assert msg["t"] == wire.KV_FAIL and msg["cause"] == "incompatible"
+    [ddone] = link.decode_done()
+    assert not ddone.ok and f"room {ROOM}: prefill dp_rank 0 cannot read the decode's kv_req" in ddone.reason
+    assert "`$.prompt_len`" in ddone.reason
+    if not request_first:
+        link.sender.accept(ROOM, "p-1", PROMPT)
+    [pdone] = link.sender.poll()
+    assert not pdone.ok and f"room {ROOM}" in pdone.reason and "`$.prompt_len`" in pdone.reason
+    assert_idle(link)
+
+
 def test_duplicate_kv_req_is_ignored(link):
     link.sender.accept(ROOM, "p-1", PROMPT)
     req = link.decode_sends_req()

@@ -21,6 +21,7 @@ from pdserve.disagg.prefill_events import (
     Drop,
     Fail,
     FromDecode,
+    Malformed,
     MarkFailed,
     PrefillAccept,
     PrefillDone,
@@ -502,6 +503,46 @@ def test_an_incompatible_kv_req_fails_naming_both_values(when):
     else:
         assert state(m) is R.FAILED
     assert report(tick(m)).reason == why
+
+
+def malformed(m, room=ROOM, kind=wire.KV_REQ, error="Expected `int`, got `str` - at `$.prompt_len`",
+              endpoint: dict | None = DEC, t=T0):
+    return m.step(Malformed(room, kind, error, endpoint, **at(t)))
+
+
+@pytest.mark.parametrize("when", ["before_request", "after_request"])
+def test_a_kv_req_that_does_not_parse_is_refused_naming_the_room(when):
+    """Answered at once (KvFail to the endpoint it names), not dropped for the decode to time out."""
+    m = machine()
+    why = (f"room {ROOM}: prefill dp_rank 0 cannot read the decode's kv_req: Expected `int`, got `str` - "
+           "at `$.prompt_len`")
+    if when == "after_request":
+        accept(m)
+    assert malformed(m) == [kv_fail(why, C.INCOMPATIBLE)]
+    if when == "before_request":  # remembered: the request fails at once
+        assert m.notes.doomed[ROOM].reason == why
+        assert accept(m) == [] and state(m) is R.FAILED_UNHEARD
+    else:
+        assert state(m) is R.FAILED and m.rooms[ROOM].cause is C.INCOMPATIBLE
+    assert report(tick(m)).reason == why
+
+
+def test_a_malformed_kv_req_of_a_routed_room_tells_the_holder_too():
+    m = machine()
+    m.step(RoomRouted(ROOM, 1, HOLDER, **at(T0)))
+    why = f"room {ROOM}: prefill dp_rank 0 cannot read the decode's kv_req: bad"
+    assert malformed(m, error="bad") == [Send(HOLDER, wire.KvAbort(room=ROOM, reason=why)),
+                                         kv_fail(why, C.INCOMPATIBLE)]
+
+
+def test_only_a_kv_req_naming_room_and_endpoint_is_answered_when_it_does_not_parse():
+    m = machine()
+    accept(m)
+    assert malformed(m, kind=wire.KV_ABORT) == [] and malformed(m, room=None) == []
+    assert malformed(m, endpoint=None) == []
+    assert state(m) is R.BOOTSTRAPPING and not m.notes.doomed
+    deliver(m)  # the room has its decode: a malformed duplicate changes nothing
+    assert malformed(m) == [] and state(m) is R.WAITING_FOR_INPUT
 
 
 def test_a_kv_req_of_another_bootstrap_instance_is_refused():
