@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from ..core.kv_layout import KVLayout
-from ..transfer import TransferBackend, create_backend, layout_to_dict, mooncake, nixl
+from ..transfer import TransferBackend, create_backend, mooncake, nixl
 from ..transfer.base import joint_runs
 from .transfer_bench import RawLink, permuted_runs
 
@@ -49,7 +49,7 @@ class BackendLink:
         self.a: TransferBackend = create_backend(kind)
         self.b: TransferBackend = create_backend(kind)
         self.a.start(src)
-        self.b_ep, self.b_layout = self.b.start(dst), layout_to_dict(dst)
+        self.b_ep, self.b_layout = self.b.start(dst), dst
 
     def transfer(self, src_pages: list[int], dst_pages: list[int], tag: int) -> float:
         t0 = time.perf_counter()

@@ -23,9 +23,11 @@ import struct
 import threading
 import time
 
+import msgspec
 import numpy as np
 
-from ..transfer import create_backend, layout_to_dict
+from ..core.kv_layout import KVLayout
+from ..transfer import create_backend
 from .kv_backends_bench import BACKENDS, PAGE_BYTES, PAGE_TOKENS, PROBES, REGIONS, pool
 from .transfer_bench import permuted_runs
 
@@ -89,7 +91,7 @@ def serve(host: str, port: int) -> None:
         for t in threads:
             t.start()
         _send_json(f, {"endpoints": {k: b.endpoint for k, b in backends.items()},
-                       "layouts": {k: layout_to_dict(b.layout) for k, b in backends.items()},
+                       "layouts": {k: msgspec.to_builtins(b.layout) for k, b in backends.items()},
                        "raw_port": raw_lst.getsockname()[1]})
         raw, _ = raw_lst.accept()
         raw_buf = np.zeros(REGIONS * dst_pages * PAGE_BYTES, np.uint8)
@@ -138,7 +140,8 @@ class Sender:
         self.f = self.ctl.makefile("rwb")
         _send_json(self.f, {"dst_pages": dst_pages, "kinds": kinds})
         info = _recv_json(self.f)
-        self.peers, self.layouts = info["endpoints"], info["layouts"]
+        self.peers = info["endpoints"]
+        self.layouts = {k: msgspec.convert(d, KVLayout) for k, d in info["layouts"].items()}  # as a KvReq's
         self.backends = {}
         for k in kinds:
             self.backends[k] = _backend(k)

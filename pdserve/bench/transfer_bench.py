@@ -25,7 +25,6 @@ import time
 import numpy as np
 
 from ..core.kv_layout import KVLayout
-from ..transfer import layout_to_dict
 from ..transfer.base import joint_runs
 from ..transfer.tcp import TcpBackend
 
@@ -84,7 +83,7 @@ class RawLink:
         self.rx.close()
 
 
-def tcp_transfer(a: TcpBackend, b: TcpBackend, b_ep: dict, b_layout: dict, src_pages: list[int],
+def tcp_transfer(a: TcpBackend, b: TcpBackend, b_ep: dict, b_layout: KVLayout, src_pages: list[int],
                  dst_pages: list[int], tag: int, phases: list | None = None) -> float:
     """One round's seconds; `phases` gets the (write_pages returned, send returned, message
     received) offsets from the start too."""
@@ -116,7 +115,7 @@ def bench_size(size: int, args, rng) -> dict:
     order = random.Random(size)
     try:
         a.start(la)
-        b_ep, b_layout = b.start(lb), layout_to_dict(lb)
+        b_ep, b_layout = b.start(lb), lb
         phases: list[tuple[float, float, float]] = []
         moves = {"tcp": lambda i: tcp_transfer(a, b, b_ep, b_layout, src_pages, dst_pages, i,
                                                phases if i else None),

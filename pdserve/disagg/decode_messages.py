@@ -21,9 +21,10 @@ def kv_req(r: DecodeRoom, dp_rank: int, local: LocalFacts) -> wire.KvReq:
     res, got = r.resolved, r.reservation
     assert res is not None and got is not None
     return wire.KvReq(room=r.room, dst_pages=got.pages[got.reused_pages:], prompt_len=r.prompt_len,
+                      layout=local.layout, endpoint=local.endpoint, page_size=local.page_size,
+                      kv_dtype=local.kv_dtype, fingerprint=local.fingerprint, backend=local.backend,
                       decode_rank=dp_rank, prefill_rank=res.rank, prefill_instance=res.instance_id,
-                      reused_pages=got.reused_pages, reused_key=got.reused_key,
-                      **local.kv_req_fields())
+                      reused_pages=got.reused_pages, reused_key=got.reused_key)
 
 
 def kv_abort(r: DecodeRoom, dp_rank: int, local: LocalFacts) -> SendAbort:

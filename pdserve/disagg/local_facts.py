@@ -1,6 +1,6 @@
 """What one PD worker is, as its peers must see it: transfer backend, KV layout and dtype, model
 fingerprint, endpoint. Built once when the worker's backend starts (worker/pd_common.py); the
-KvReq carries it to the prefill (`kv_req_fields`), which checks it against its own
+KvReq carries it to the prefill (decode_messages.kv_req), which checks it against its own
 (`compat_problem`)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 from ..core.kv_layout import KVLayout
 from ..core.pd_vocab import BackendName, KvDtype
-from ..transfer.base import Endpoint, layout_to_dict
+from ..transfer.base import Endpoint
 from .wire import KvReq
 
 COMPAT_KEYS = ("backend", "page_size", "kv_dtype", "fingerprint")  # what a KvReq must agree on
@@ -32,11 +32,6 @@ class LocalFacts:
         """`backend` is a name (BackendName.parse: ValueError if unknown)."""
         return cls(BackendName.parse(backend), layout.page_size, KvDtype.parse(layout.dtype), fingerprint, layout,
                    endpoint)
-
-    def kv_req_fields(self) -> dict[str, Any]:
-        """The KvReq fields that say what this decode is, in their wire spelling."""
-        return {"layout": layout_to_dict(self.layout), "endpoint": self.endpoint, "page_size": self.page_size,
-                "kv_dtype": self.kv_dtype, "fingerprint": self.fingerprint, "backend": self.backend}
 
 
 def compat_problem(local: LocalFacts, req: KvReq) -> str | None:

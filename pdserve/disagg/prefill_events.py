@@ -21,6 +21,7 @@ from typing import Any, Union, cast
 import msgspec
 
 from ..core.failures import FailureCause
+from ..core.kv_layout import KVLayout
 from ..transfer.base import Endpoint
 from . import wire
 from .handoff import HandoffDone
@@ -138,7 +139,7 @@ class StartWrite:
 
     room: int
     peer: Endpoint
-    layout: dict[str, Any]
+    layout: KVLayout  # the decode's, from its KvReq
     src_pages: list[int]
     dst_pages: list[int]
     done: wire.KvDone

@@ -1,13 +1,15 @@
 """The control messages between a decode worker and a prefill worker, as typed structs.
 
-decode -> prefill  KvReq    where to write a room's KV (pages, layout, endpoint) and the facts
-                            both sides must agree on (page size, dtype, model, backend)
+decode -> prefill  KvReq    where to write a room's KV (pages, KVLayout, endpoint) and the facts
+                            both sides must agree on (page size, KvDtype, model, BackendName)
 decode -> prefill  KvAbort  the decode gave the room up
 prefill -> decode  KvDone   the pages landed; the prefill's first token and transfer facts
 prefill -> decode  KvFail   the room failed on the prefill, with a reason and a FailureCause
 prefill -> decode  KvMoved  the worker the decode addressed forwarded its KvReq to the rank that
                             holds the room (zero-round-trip rendezvous for any DP method)
-On the transfer backend they travel as msgpack maps tagged by "t" (`to_wire` / `from_wire`).
+On the transfer backend they travel as msgpack maps tagged by "t" (`to_wire` / `from_wire`); the
+typed values inside (KVLayout, KvDtype, BackendName) travel as their own maps and strings, and
+`from_wire` checks them: a malformed one is a BadMessage naming the room and the field.
 The KvDone of a room is sent after its page writes, so it arrives after the pages landed. A
 prefill answers every KvAbort with KvDone or KvFail, and sends KvFail only once no write of
 that room can still land: until then the decode keeps the room's pages.
@@ -19,6 +21,8 @@ from typing import Any, Union
 
 import msgspec
 
+from ..core.kv_layout import KVLayout
+from ..core.pd_vocab import BackendName, KvDtype
 from ..transfer.base import Endpoint
 
 KV_REQ = "kv_req"
@@ -35,12 +39,12 @@ class _Msg(msgspec.Struct, tag_field="t", kw_only=True, omit_defaults=True):
 class KvReq(_Msg, tag=KV_REQ):
     dst_pages: list[int]  # for the prompt's pages after the reused ones
     prompt_len: int
-    layout: dict[str, Any]
+    layout: KVLayout  # decoded and checked (KVLayout.__post_init__) as part of the message
     endpoint: Endpoint  # the decode worker's transfer endpoint: every answer goes there
     page_size: int
-    kv_dtype: str
+    kv_dtype: KvDtype  # an unknown name does not decode: the prefill refuses the KvReq naming the room
     fingerprint: dict[str, Any]
-    backend: str
+    backend: BackendName
     decode_rank: int
     prefill_rank: int | None = None  # the rank the decode addressed
     prefill_instance: str = ""  # the bootstrap instance it resolved against ("" = not known)

@@ -6,13 +6,11 @@ from .base import (
                    TransferBackend,
                    TransferError,
                    WriteResult,
-                   layout_from_dict,
-                   layout_to_dict,
                    peer_name,
 )
 from .registry import backend_class, backend_names, create_backend
 
 __all__ = [
-    "PROTOCOL_VERSION", "TransferBackend", "TransferError", "WriteResult", "layout_from_dict",
-    "layout_to_dict", "peer_name", "backend_class", "backend_names", "create_backend",
+    "PROTOCOL_VERSION", "TransferBackend", "TransferError", "WriteResult", "peer_name", "backend_class",
+    "backend_names", "create_backend",
 ]

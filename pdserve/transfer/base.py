@@ -8,7 +8,6 @@ by each backend's `_copy`; tcp streams them, fake memcpys them, mooncake writes 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import operator
 import queue
 from abc import ABC, abstractmethod
@@ -55,23 +54,6 @@ class PageCopy(NamedTuple):  # a tuple: plans of thousands of runs are built per
     src_offset: int
     dst_offset: int
     nbytes: int
-
-
-def layout_to_dict(layout: KVLayout) -> dict:
-    return dataclasses.asdict(layout)
-
-
-def layout_from_dict(d: dict) -> KVLayout:
-    """Inverse of layout_to_dict; raises TransferError if a field is missing or mistyped."""
-    try:
-        kw = {f.name: d[f.name] for f in dataclasses.fields(KVLayout)}
-    except (KeyError, TypeError) as e:
-        raise TransferError(f"bad KV layout descriptor {d!r}: missing {e}") from None
-    for name, value in kw.items():
-        want = str if name == "dtype" else int
-        if not isinstance(value, want) or isinstance(value, bool):
-            raise TransferError(f"bad KV layout descriptor: {name}={value!r} is not {want.__name__}")
-    return KVLayout(**kw)
 
 
 def peer_name(peer: Endpoint) -> str:
@@ -198,7 +180,7 @@ class TransferBackend(ABC):
       instance) or the connection is lost.
     - `write_pages(peer, peer_layout, src_pages, dst_pages)` copies page src_pages[i] of every
       region of the local pool into page dst_pages[i] of the peer's pool (peer_layout is the
-      peer's `layout_to_dict`). Runs contiguous on both sides move as one write per region.
+      peer's KVLayout, as its KvReq carried it). Runs contiguous on both sides move as one write per region.
       Blocks the calling thread until the bytes have left this process (tcp) or landed
       (memory-to-memory backends); completion at the receiver is signalled by the next message.
       Returns a WriteResult. Raises TransferError on bad pages, incompatible layouts or loss.
@@ -245,13 +227,12 @@ class TransferBackend(ABC):
     def _copy(self, peer: Endpoint, copies: list[PageCopy]) -> tuple[float, float]:
         """Move the planned runs to `peer`; return (started_at, finished_at) of the movement."""
 
-    def write_pages(self, peer: Endpoint, peer_layout: dict, src_pages: list[int],
+    def write_pages(self, peer: Endpoint, peer_layout: KVLayout, src_pages: list[int],
                     dst_pages: list[int]) -> WriteResult:
         if self.layout is None:
             raise TransferError(f"{self.name} backend: write_pages before start()")
         self.check_peer(peer)
-        copies = plan_copies(self.layout, layout_from_dict(peer_layout), src_pages, dst_pages,
-                             peer_name(peer))
+        copies = plan_copies(self.layout, peer_layout, src_pages, dst_pages, peer_name(peer))
         started, finished = self._copy(peer, copies)
         return WriteResult(sum(c.nbytes for c in copies), started, finished, len(copies))
 

@@ -39,7 +39,6 @@ from pdserve.disagg.handoff import TRANSITIONS, HandoffDone, HandoffState, Illeg
 from pdserve.disagg.local_facts import LocalFacts
 from pdserve.disagg.machine_events import Tick
 from pdserve.disagg.resolution import Resolved
-from pdserve.transfer.base import layout_to_dict
 
 D, H = DecodeState, HandoffState
 ADDR, ADDR_B = "10.0.0.1:8998", "10.0.0.9:8998"
@@ -76,7 +75,7 @@ def resolved(room: int = ROOM, rank: int = 0, instance: str = "inst-1", addr: st
 
 def kv_req(room: int = ROOM, got: Reservation = PAGES, rank: int = 0, instance: str = "inst-1") -> wire.KvReq:
     return wire.KvReq(room=room, dst_pages=got.pages[got.reused_pages:], prompt_len=PROMPT,
-                      layout=layout_to_dict(LOCAL.layout),
+                      layout=LOCAL.layout,
                       endpoint=LOCAL.endpoint, page_size=4, kv_dtype="float32", fingerprint=FP, backend="fake",
                       decode_rank=1, prefill_rank=rank, prefill_instance=instance,
                       reused_pages=got.reused_pages, reused_key=got.reused_key)

@@ -351,21 +351,44 @@ def test_messages_without_room_or_endpoint_are_ignored(link):
     assert link.sender.poll() == [] and not link.sender.early
 
 
+BAD_KV_REQS = [  # (what is changed, the value, what the error says)
+    ("prompt_len", "ten", "Expected `int`, got `str` - at `$.prompt_len`"),
+    ("layout", "pages", "Expected `object`, got `str` - at `$.layout`"),
+    ("layout.dtype", "bf17", "Invalid enum value 'bf17' - at `$.layout.dtype`"),
+    ("layout.num_pages", -1, "KV layout num_pages=-1 is not a non-negative integer - at `$.layout`"),
+    ("layout.page_bytes", None, "Object missing required field `page_bytes` - at `$.layout`"),
+    ("kv_dtype", "bf16", "Invalid enum value 'bf16' - at `$.kv_dtype`"),
+    ("backend", "rdma", "Invalid enum value 'rdma' - at `$.backend`"),
+]
+
+
+def spoil(req: dict, what: str, value) -> dict:
+    """`req` with field `what` (or "layout.<field>") set to `value`, or removed for None."""
+    top, _, sub = what.partition(".")
+    inner = {**req[top], sub: value} if sub else value
+    if sub and value is None:
+        del inner[sub]
+    return {**req, top: inner}
+
+
 @pytest.mark.parametrize("request_first", [True, False])
-def test_a_kv_req_that_does_not_parse_fails_both_legs_naming_the_room(link, request_first):
+@pytest.mark.parametrize("what,value,error", BAD_KV_REQS)
+def test_a_kv_req_that_does_not_parse_fails_both_legs_naming_the_room(link, request_first, what, value, error):
+    """A malformed layout, dtype or backend on the wire is refused at once, naming the room."""
     if request_first:
         link.sender.accept(ROOM, "p-1", PROMPT)
     req = link.decode_sends_req()
-    link.sender.on_message(link.d_local["endpoint"], {**req, "prompt_len": "ten"})
+    link.sender.on_message(link.d_local["endpoint"], spoil(req, what, value))
     [msg] = link.to_decode()
     assert msg["t"] == wire.KV_FAIL and msg["cause"] == "incompatible"
     [ddone] = link.decode_done()
-    assert not ddone.ok and f"room {ROOM}: prefill dp_rank 0 cannot read the decode's kv_req" in ddone.reason
-    assert "`$.prompt_len`" in ddone.reason
+    assert not ddone.ok and ddone.reason.endswith(
+        f"room {ROOM}: prefill dp_rank 0 cannot read the decode's kv_req: {error}")
     if not request_first:
         link.sender.accept(ROOM, "p-1", PROMPT)
     [pdone] = link.sender.poll()
-    assert not pdone.ok and f"room {ROOM}" in pdone.reason and "`$.prompt_len`" in pdone.reason
+    assert not pdone.ok and pdone.reason == f"room {ROOM}: prefill dp_rank 0 cannot read the decode's kv_req: {error}"
+    assert not link.d_mem.any()
     assert_idle(link)
 
 

@@ -44,7 +44,8 @@ LOCAL = LocalFacts.of("fake", KVLayout(base_ptr=0, num_regions=4, num_pages=16, 
 DEC = {"backend": "fake", "ip": "10.0.0.2", "port": 7001}  # the decode's endpoint
 OTHER = {"backend": "fake", "ip": "10.0.0.9", "port": 7009}  # some other sender
 HOLDER = {"backend": "fake", "ip": "10.0.0.3", "port": 7002}  # the rank that holds a forwarded room
-LAYOUT = {"regions": 4, "pages": 16}
+LAYOUT = KVLayout(base_ptr=0, num_regions=4, num_pages=16, page_bytes=64, region_stride=1024, page_size=4,
+                  dtype="float32")  # the decode's
 ROOM, PROMPT = 7, 10  # 10 tokens -> 3 pages of 4
 IDS = list(range(100, 110))
 SRC, DST = [1, 2, 5], [9, 3, 4]

@@ -3,19 +3,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
 import pytest
 
 from pdserve.core.kv_layout import KVLayout
+from pdserve.core.pd_vocab import KvDtype
 from pdserve.transfer import (
     TransferError,
     backend_class,
     backend_names,
     create_backend,
-    layout_from_dict,
-    layout_to_dict,
 )
 from pdserve.transfer.base import joint_runs, plan_copies
 from pdserve.transfer.fake import FakeBackend, FakeFabric
@@ -37,7 +37,7 @@ def fab(request):
     a, b = FakeBackend(fabric), FakeBackend(fabric)
     request.addfinalizer(a.close)
     request.addfinalizer(b.close)
-    return fabric, a, a.start(la), sa, b, b.start(ld), da, layout_to_dict(ld)
+    return fabric, a, a.start(la), sa, b, b.start(ld), da, ld
 
 
 def test_fail_writes_fires_once_and_moves_nothing(fab):
@@ -123,13 +123,14 @@ def test_registry():
         backend_class("rdma")
 
 
-def test_layout_dict_round_trip_and_validation():
+def test_a_layout_refuses_what_no_pool_can_be():
     _, la = make_pool()
-    assert layout_from_dict(layout_to_dict(la)) == la
-    with pytest.raises(TransferError, match="missing"):
-        layout_from_dict({"base_ptr": 0})
-    with pytest.raises(TransferError, match="page_bytes='64' is not int"):
-        layout_from_dict({**layout_to_dict(la), "page_bytes": "64"})
+    assert la.dtype is KvDtype.FLOAT32  # a dtype name is parsed
+    for field, bad in (("num_pages", -1), ("page_bytes", "64"), ("region_stride", True), ("page_size", 0)):
+        with pytest.raises(ValueError, match=f"KV layout {field}={bad!r}"):
+            dataclasses.replace(la, **{field: bad})
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'float64'"):
+        dataclasses.replace(la, dtype="float64")
 
 
 def test_joint_runs_need_both_sides_contiguous():

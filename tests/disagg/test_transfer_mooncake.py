@@ -7,6 +7,7 @@ Skipped (with the reason) only when Mooncake's engine cannot be imported here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 from pdserve.core.envs import Envs
-from pdserve.transfer import TransferError, create_backend, layout_to_dict
+from pdserve.transfer import TransferError, create_backend
 from pdserve.transfer import mooncake as mc
 from tests.harness.transfer_pools import BackendPair, Pool, recv_until  # noqa: E402
 
@@ -125,7 +126,7 @@ def test_peer_of_another_backend_is_refused(pair):
     tcp_ep = tcp.start(tcp_pool.layout)
     try:
         with pytest.raises(TransferError, match=r"speaks tcp v1, this endpoint speaks mooncake v1"):
-            pair.a.write_pages(tcp_ep, layout_to_dict(tcp_pool.layout), [0], [0])
+            pair.a.write_pages(tcp_ep, tcp_pool.layout, [0], [0])
         with pytest.raises(TransferError, match=r"speaks tcp v1, this endpoint speaks mooncake v1"):
             pair.a.send(tcp_ep, {"x": 1})
         with pytest.raises(TransferError, match=r"speaks mooncake v1, this endpoint speaks tcp v1"):
@@ -154,7 +155,7 @@ def test_protocol_and_descriptor_mismatch_refused(fresh):
 def test_write_outside_registered_pool_fails_with_engine_code(fresh):
     """A peer layout that lies (more pages than the peer has): the peer's engine refuses the
     bytes beyond its registered pool, the sender gets the engine's code, nothing lands."""
-    lie = {**fresh.b_layout, "num_pages": 200}
+    lie = dataclasses.replace(fresh.b_layout, num_pages=200)
     with pytest.raises(TransferError, match=r"batch_transfer_sync_write of 4 runs .* failed with code -\d+"):
         fresh.a.write_pages(fresh.b_ep, lie, [0], [100])  # even region 0's page 100 is past the pool
     assert not fresh.b_pool.arr.any()
@@ -166,7 +167,7 @@ def test_sender_side_validation(fresh):
     with pytest.raises(TransferError, match="out of range"):
         fresh.a.write_pages(fresh.b_ep, fresh.b_layout, [0], [24])
     with pytest.raises(TransferError, match="page_bytes=256 but peer page_bytes=512"):
-        fresh.a.write_pages(fresh.b_ep, {**fresh.b_layout, "page_bytes": 512}, [0], [0])
+        fresh.a.write_pages(fresh.b_ep, dataclasses.replace(fresh.b_layout, page_bytes=512), [0], [0])
     assert not fresh.b_pool.arr.any()
 
 

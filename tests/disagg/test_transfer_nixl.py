@@ -9,6 +9,7 @@ reason) only when NIXL cannot be imported here.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import sys
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 
 from pdserve.core.kv_layout import KVLayout
-from pdserve.transfer import TransferError, create_backend, layout_to_dict, nixl_agent, nixl_gate
+from pdserve.transfer import TransferError, create_backend, nixl_agent, nixl_gate
 from pdserve.transfer import nixl as nx
 from tests.harness.transfer_pools import BackendPair, Pool, recv_until  # noqa: E402
 
@@ -162,7 +163,7 @@ def test_peer_of_another_backend_is_refused(pair):
     tcp_ep = tcp.start(tcp_pool.layout)
     try:
         with pytest.raises(TransferError, match=r"speaks tcp v1, this endpoint speaks nixl v1"):
-            pair.a.write_pages(tcp_ep, layout_to_dict(tcp_pool.layout), [0], [0])
+            pair.a.write_pages(tcp_ep, tcp_pool.layout, [0], [0])
         with pytest.raises(TransferError, match=r"speaks tcp v1, this endpoint speaks nixl v1"):
             pair.a.send(tcp_ep, {"x": 1})
         with pytest.raises(TransferError, match=r"speaks nixl v1, this endpoint speaks tcp v1"):
@@ -187,7 +188,7 @@ def test_descriptor_mismatches_refused_before_any_byte(fresh):
         fresh.a.write_pages({**ep, "instance": "0" * 16}, lay, [0], [0])
     other_pool = Pool(4, 24, 256)  # a live peer whose descriptor is tampered with
     other = create_backend("nixl")
-    other_ep, other_lay = other.start(other_pool.layout), layout_to_dict(other_pool.layout)
+    other_ep, other_lay = other.start(other_pool.layout), other_pool.layout
     try:
         with pytest.raises(TransferError, match="agent_metadata is not base64"):
             fresh.a.write_pages({**other_ep, "agent_metadata": "%%%"}, other_lay, [0], [0])
@@ -202,7 +203,7 @@ def test_descriptor_mismatches_refused_before_any_byte(fresh):
 def test_write_outside_registered_pool_is_refused(fresh):
     """A peer layout that lies (more pages than the peer has): NIXL refuses the descriptors
     beyond the memory the peer registered, nothing lands, and the pair keeps working."""
-    lie = {**fresh.b_layout, "num_pages": 200}
+    lie = dataclasses.replace(fresh.b_layout, num_pages=200)
     with pytest.raises(TransferError, match=r"NIXL WRITE #\d+ of 4 runs \(1024 bytes\) to nixl://127\.0\.0\.1:\d+ "
                                             r"refused: outside the KV pool the peer registered"):
         fresh.a.write_pages(fresh.b_ep, lie, [0], [100])
@@ -217,7 +218,7 @@ def test_sender_side_validation(fresh):
     with pytest.raises(TransferError, match="out of range"):
         fresh.a.write_pages(fresh.b_ep, fresh.b_layout, [0], [24])
     with pytest.raises(TransferError, match="page_bytes=256 but peer page_bytes=512"):
-        fresh.a.write_pages(fresh.b_ep, {**fresh.b_layout, "page_bytes": 512}, [0], [0])
+        fresh.a.write_pages(fresh.b_ep, dataclasses.replace(fresh.b_layout, page_bytes=512), [0], [0])
     with pytest.raises(TransferError, match="control message must be a dict"):
         fresh.a.send(fresh.b_ep, ["not", "a", "dict"])
     assert not fresh.b_pool.arr.any()

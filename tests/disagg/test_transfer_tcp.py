@@ -6,6 +6,7 @@ stray write anywhere is caught. Everything binds 127.0.0.1 on free ports.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from pdserve.core.kv_layout import KVLayout
-from pdserve.transfer import TransferError, create_backend, layout_to_dict
+from pdserve.transfer import TransferError, create_backend
 from pdserve.transfer.fake import FakeFabric
 from pdserve.transfer.tcp import TcpBackend
 
@@ -85,7 +86,7 @@ def test_descriptor_is_jsonable_and_names_backend(pair):
 
 def test_pages_land_where_asked(pair):
     src, dst = [0, 1, 2, 7, 8, 3], [5, 6, 7, 0, 1, 23]
-    res = pair.a.write_pages(pair.b_ep, layout_to_dict(pair.b_pool.layout), src, dst)
+    res = pair.a.write_pages(pair.b_ep, pair.b_pool.layout, src, dst)
     assert res.bytes == len(src) * 4 * 256
     assert res.num_writes == 3 * 4  # joint runs (0->5 x3), (7->0 x2), (3->15 x1), per region
     assert res.finished_at >= res.started_at
@@ -105,7 +106,7 @@ def test_message_after_writes_sees_all_pages():
             for round_ in range(4):
                 p.a_pool.pages[:] = rng.integers(0, 256, p.a_pool.pages.shape, dtype=np.uint8)
                 dst = rng.permutation(64).tolist()
-                p.a.write_pages(p.b_ep, layout_to_dict(p.b_pool.layout), list(range(64)), dst)
+                p.a.write_pages(p.b_ep, p.b_pool.layout, list(range(64)), dst)
                 p.a.send(p.b_ep, {"round": round_})
                 got = recv_until(p.b, 1)
                 assert [m for _, m in got] == [{"round": round_}]
@@ -121,9 +122,9 @@ def test_many_scattered_runs_span_several_frames():
         try:
             dst = np.random.default_rng(8).permutation(600).tolist()
             src = list(range(0, 600, 2)) + list(range(1, 600, 2))  # no two consecutive
-            p.a.write_pages(p.b_ep, layout_to_dict(p.b_pool.layout), src[:300], dst[:300])
+            p.a.write_pages(p.b_ep, p.b_pool.layout, src[:300], dst[:300])
             p.a.send(p.b_ep, {"half": 1})
-            res = p.a.write_pages(p.b_ep, layout_to_dict(p.b_pool.layout), src[300:], dst[300:])
+            res = p.a.write_pages(p.b_ep, p.b_pool.layout, src[300:], dst[300:])
             assert res.num_writes >= 4 * 290
             p.a.send(p.b_ep, {"half": 2})
             assert [m for _, m in recv_until(p.b, 2)] == [{"half": 1}, {"half": 2}]
@@ -160,7 +161,7 @@ def test_concurrent_senders_keep_per_thread_order(pair):
 
 
 def test_sender_side_validation(pair):
-    peer_layout = layout_to_dict(pair.b_pool.layout)
+    peer_layout = pair.b_pool.layout
     with pytest.raises(TransferError, match="out of range"):
         pair.a.write_pages(pair.b_ep, peer_layout, [0], [24])
     with pytest.raises(TransferError, match="out of range"):
@@ -170,9 +171,9 @@ def test_sender_side_validation(pair):
     with pytest.raises(TransferError, match="2 source pages but 1"):
         pair.a.write_pages(pair.b_ep, peer_layout, [0, 1], [0])
     with pytest.raises(TransferError, match="page_bytes=256 but peer page_bytes=512"):
-        pair.a.write_pages(pair.b_ep, {**peer_layout, "page_bytes": 512}, [0], [0])
-    with pytest.raises(TransferError, match="bad KV layout"):
-        pair.a.write_pages(pair.b_ep, {"base_ptr": 1}, [0], [0])
+        pair.a.write_pages(pair.b_ep, dataclasses.replace(peer_layout, page_bytes=512), [0], [0])
+    with pytest.raises(TransferError, match="dtype=bfloat16 but peer dtype=float32"):
+        pair.a.write_pages(pair.b_ep, dataclasses.replace(peer_layout, dtype="float32"), [0], [0])
     with pytest.raises(TransferError, match="must be a dict"):
         pair.a.send(pair.b_ep, ["not", "a", "dict"])
     assert not pair.b_pool.arr.any()
@@ -181,7 +182,7 @@ def test_sender_side_validation(pair):
 def test_receiver_rejects_out_of_bounds_write(pair):
     """A peer layout that lies (more pages than the receiver has) must not corrupt anything:
     the write is rejected, messages after it are never delivered, the sender gets an error."""
-    lie = {**layout_to_dict(pair.b_pool.layout), "num_pages": 48}
+    lie = dataclasses.replace(pair.b_pool.layout, num_pages=48)
     err = None
     try:
         pair.a.write_pages(pair.b_ep, lie, [0], [40])  # region 0 page 40 = inside region 1
@@ -218,7 +219,7 @@ def test_peer_gone_fails_fast(pair):
     with pytest.raises(TransferError, match=pair.b_ep["ip"]):
         pair.a.send(pair.b_ep, {"x": 1})
     with pytest.raises(TransferError):
-        pair.a.write_pages(pair.b_ep, layout_to_dict(pair.b_pool.layout), [0], [0])
+        pair.a.write_pages(pair.b_ep, pair.b_pool.layout, [0], [0])
 
 
 def test_close_is_idempotent_and_final(pair):
@@ -416,7 +417,7 @@ def test_tcp_stalled_peer_hits_io_deadline(cls):
         peer = {"backend": "tcp", "version": 1, "ip": "127.0.0.1", "port": lst.getsockname()[1]}
         t0 = time.monotonic()
         with pytest.raises(TransferError, match="lost connection .* took no bytes for 0.3s"):
-            a.write_pages(peer, layout_to_dict(src.layout), list(range(256)), list(range(256)))
+            a.write_pages(peer, src.layout, list(range(256)), list(range(256)))
         assert time.monotonic() - t0 < 10.0
         out = next(iter(a._out.values()))
         assert out.sock is None  # the broken connection is dropped, the next call reconnects
@@ -499,7 +500,7 @@ def test_tcp_outbound_send_mode_follows_the_peer_host(cls, blocking):
         a.start(src.layout)
         dst = Pool(2, 8, 128)
         b_ep = b.start(dst.layout)
-        a.write_pages(b_ep, layout_to_dict(dst.layout), [0, 1, 2], [5, 3, 4])
+        a.write_pages(b_ep, dst.layout, [0, 1, 2], [5, 3, 4])
         a.send(b_ep, {"x": 1})
         assert recv_until(b, 1)
         assert np.array_equal(dst.pages[0, 5], src.pages[0, 0]) and np.array_equal(dst.pages[1, 4], src.pages[1, 2])

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import msgspec
 import numpy as np
 
 from pdserve.core.kv_layout import KVLayout
@@ -161,8 +162,8 @@ class Link:
     receiver: DecodeReceiver
     prefills: PeerLink  # the receiver's link: a FakePrefillLink unless make_link was given one
     pool: PagePool
-    p_local: dict  # the prefill's facts in their wire spelling (LocalFacts.kv_req_fields)
-    d_local: dict  # the decode's, as its KvReq carries them
+    p_local: dict  # the prefill's facts a KvReq carries, in their wire spelling (req_facts)
+    d_local: dict  # the decode's
     wakes: list = field(default_factory=list)
 
     @property
@@ -245,7 +246,13 @@ def make_link(*, decode_local: dict | None = None, free: list[int] | None = None
     receiver = DecodeReceiver(dbe, 1, d_facts, link=prefills, reserve=pool, wake=lambda: wakes.append("decode"),
                               limits=ReceiverLimits(waiting_timeout=waiting_timeout, abort_grace=abort_grace))
     return Link(fabric, pbe, dbe, p_mem, d_mem, sender, receiver, prefills, pool,
-                p_facts.kv_req_fields(), d_facts.kv_req_fields(), wakes)
+                req_facts(p_facts), req_facts(d_facts), wakes)
+
+
+def req_facts(local: LocalFacts) -> dict:
+    """What a KvReq carries of a worker's LocalFacts, by KvReq field name, as the wire spells it."""
+    keys = ("layout", "endpoint", "page_size", "kv_dtype", "fingerprint", "backend")
+    return {k: msgspec.to_builtins(getattr(local, k)) for k in keys}
 
 
 

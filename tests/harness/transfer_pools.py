@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from pdserve.core.kv_layout import KVLayout
-from pdserve.transfer import create_backend, layout_to_dict
+from pdserve.transfer import create_backend
 
 GUARD = 4096
 
@@ -39,7 +39,7 @@ class BackendPair:
         self.b = create_backend(self.backend, connect_timeout=5.0, **opts)
         self.a_ep = self.a.start(a.layout)
         self.b_ep = self.b.start(b.layout)
-        self.b_layout = layout_to_dict(b.layout)
+        self.b_layout = b.layout
 
     def close(self) -> None:
         self.a.close()

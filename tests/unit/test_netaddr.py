@@ -15,7 +15,6 @@ from pdserve.core.envs import Envs
 from pdserve.core.kv_layout import KVLayout
 from pdserve.core.netaddr import AddressError, check_reachable, local_connect_host, resolve_advertise_host
 from pdserve.server.front import advertised_host
-from pdserve.transfer import layout_to_dict
 from pdserve.transfer.tcp import TcpBackend
 
 pytestmark = pytest.mark.timeout(60)
@@ -120,7 +119,7 @@ def test_tcp_backend_over_ipv6(bind):
         a.start(src_l, host=bind, advertise="::1" if bind == "::" else "")
         b_ep = b.start(dst_l, host=bind, advertise="::1" if bind == "::" else "")
         assert b_ep["ip"] == "::1"
-        a.write_pages(b_ep, layout_to_dict(dst_l), [0, 1, 5], [2, 3, 7])
+        a.write_pages(b_ep, dst_l, [0, 1, 5], [2, 3, 7])
         a.send(b_ep, {"done": 1})
         got, end = [], time.monotonic() + 10
         while not got and time.monotonic() < end:
