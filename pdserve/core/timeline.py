@@ -44,12 +44,6 @@ TOP_FACTS = ("bootstrap_room", "prefill_dp_rank", "decode_dp_rank", "dp_rank", "
              "dp_rank_path", "cached_tokens", "failure_cause", "disaggregation")
 
 
-def transfer_stages(write: dict[str, Any]) -> dict[str, float]:
-    """The first/last KV byte stages from a page write's record (`started_at`, `finished_at`)."""
-    pairs = ((Stage.FIRST_KV_BYTE, "started_at"), (Stage.LAST_KV_BYTE, "finished_at"))
-    return {s.value: write[k] for s, k in pairs if isinstance(write.get(k), float)}
-
-
 def build_timeline(stages: dict[str, float], facts: dict[str, Any]) -> dict[str, Any]:
     """The `timeline` of meta_info: top-level facts (room, both ranks) and the recorded stages
     sorted by time (canonical order breaks ties), each with its offset from arrival."""

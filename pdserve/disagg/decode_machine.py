@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, cast
 import msgspec
 
 from ..core.failures import FailureCause
-from ..core.timeline import Stage, transfer_stages
+from ..core.timeline import Stage
 from . import wire
 from .decode_admission import Admission, HandoffQueue
 from .decode_events import (
@@ -50,7 +50,7 @@ from .decode_events import (
 )
 from .decode_messages import kv_abort, kv_req, room_report
 from .decode_rooms import DecodeRoom, DecodeState
-from .handoff import HandoffDone
+from .handoff import HandoffDone, write_stages
 from .local_facts import LocalFacts
 from .machine_events import HandoffMachine, Tick
 
@@ -188,7 +188,7 @@ class DecodeHandoffs(HandoffMachine[DecodeEffect]):
                                             "before its kv_req; ignored", r.room))
         else:
             r.aux = msgspec.structs.asdict(msg)
-            r.stages.update(transfer_stages(r.aux))
+            r.stages.update(write_stages(msg.write))
             if r.state is D.SENDING:  # kv_done overtook our own "sent" event
                 r.move(D.WAITING, ev.now)
             r.move(D.DONE, ev.now)

@@ -9,7 +9,7 @@ from typing import Any
 from . import wire
 from .decode_events import SendAbort
 from .decode_rooms import DecodeRoom, DecodeState
-from .handoff import HandoffDone, HandoffState
+from .handoff import HandoffDone, HandoffState, write_meta
 from .local_facts import LocalFacts
 
 D, H = DecodeState, HandoffState
@@ -58,8 +58,6 @@ def room_meta(r: DecodeRoom, dp_rank: int, retry_after: int) -> dict[str, Any]:
     if H.WAITING_FOR_INPUT in h.entered:
         d["bootstrap_s"] = h.entered[H.WAITING_FOR_INPUT] - h.created
         d["waiting_s"] = h.entered[h.state] - h.entered[H.WAITING_FOR_INPUT]
-    if r.aux:
-        secs = r.aux.get("transfer_s") or 0.0
-        d.update(kv_bytes=r.aux.get("bytes"), kv_transfer_s=secs,
-                 kv_gbps=(r.aux.get("bytes", 0) / secs / 1e9) if secs > 0 else None)
+    if r.aux and r.aux.get("write") is not None:
+        d.update(write_meta(r.aux["write"]))
     return d

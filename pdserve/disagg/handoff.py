@@ -20,6 +20,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..core.timeline import Stage
+from ..transfer.base import WriteResult
+
 
 class HandoffState(str, enum.Enum):
     BOOTSTRAPPING = "bootstrapping"
@@ -133,3 +136,16 @@ class HandoffDone:
     meta: dict[str, Any]
     stages: dict[str, float] = field(default_factory=dict)
     dropped: bool = False  # prefill: the decode prefilled the room itself (not a failure)
+
+
+def write_meta(w: WriteResult) -> dict[str, float | int | None]:
+    """A page write's meta_info keys, the same on both sides: kv_bytes, kv_transfer_s, kv_gbps."""
+    secs = w.seconds
+    return {"kv_bytes": w.bytes, "kv_transfer_s": secs, "kv_gbps": w.bytes / secs / 1e9 if secs > 0 else None}
+
+
+def write_stages(w: WriteResult | None) -> dict[str, float]:
+    """A page write's first and last KV byte stages of the timeline (none without a write)."""
+    if w is None:
+        return {}
+    return {Stage.FIRST_KV_BYTE.value: w.started_at, Stage.LAST_KV_BYTE.value: w.finished_at}

@@ -16,6 +16,7 @@ so no state is ever touched by two threads.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import time
@@ -27,7 +28,7 @@ import msgspec
 
 from ..core.failures import FailureCause
 from ..core.log_format import fields
-from ..transfer.base import Endpoint, TransferBackend, TransferError, peer_name
+from ..transfer.base import Endpoint, TransferBackend, TransferError, WriteResult, peer_name
 from . import wire
 from .handoff import HandoffDone
 from .local_facts import LocalFacts
@@ -45,7 +46,6 @@ from .prefill_events import (
     RoomRouted,
     Send,
     StartWrite,
-    WriteFacts,
     WriteReturned,
 )
 from .prefill_machine import PrefillHandoffs
@@ -65,7 +65,7 @@ class PrefillSender:
         self.machine = PrefillHandoffs(dp_rank, local, bootstrap_timeout=bootstrap_timeout,
                                        failed_ttl=failed_ttl, instance_id=instance_id)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kv-send-{dp_rank}")
-        self.jobs: queue.Queue[tuple[Any, ...]] = queue.Queue()  # (room, error or None, WriteFacts or None)
+        self.jobs: queue.Queue[tuple[int, str | None, WriteResult | None]] = queue.Queue()  # (room, error, write)
         self.done: list[HandoffDone] = []
         self.wake = wake  # called from job threads so the loop polls at once
 
@@ -156,10 +156,10 @@ class PrefillSender:
     def poll(self, now: float | None = None) -> list[HandoffDone]:
         while True:
             try:
-                room, err, facts = self.jobs.get_nowait()
+                room, err, write = self.jobs.get_nowait()
             except queue.Empty:
                 break
-            self._step(WriteReturned(room, err, facts, **_stamp()))
+            self._step(WriteReturned(room, err, write, **_stamp()))
         stamp = _stamp()
         if now is not None:
             stamp["now"] = now
@@ -204,12 +204,9 @@ class PrefillSender:
         """Runs on a pool thread; whatever happens, it reports to `jobs` exactly once."""
         try:
             res = self.backend.write_pages(w.peer, w.layout, w.src_pages, w.dst_pages)
-            facts = WriteFacts(bytes=res.bytes, transfer_s=res.seconds, started_at=res.started_at,
-                               finished_at=res.finished_at, writes=res.num_writes)
-            info = facts.as_dict()
-            log.debug("kv write", extra=fields(room=w.room, **info))
-            self.backend.send(w.peer, wire.to_wire(msgspec.structs.replace(w.done, **info)))
-            self.jobs.put((w.room, None, facts))
+            log.debug("kv write", extra=fields(room=w.room, **dataclasses.asdict(res)))
+            self.backend.send(w.peer, wire.to_wire(msgspec.structs.replace(w.done, write=res)))
+            self.jobs.put((w.room, None, res))
         except Exception as e:  # noqa: BLE001 - any failure must still finish the room
             if not isinstance(e, (TransferError, OSError)):
                 log.exception("prefill dp_rank %d: KV transfer job of room %d crashed", self.dp_rank, w.room,

@@ -1,5 +1,5 @@
-"""The prefill machine's events (what happened) and effects (what its driver must do), and the
-WriteFacts a page write reports. Plain data; the rules are in prefill_machine.
+"""The prefill machine's events (what happened) and effects (what its driver must do). Plain
+data; the rules are in prefill_machine.
 
 Events:  PrefillAccept (the prefill request), PrefillDone (pages + the engine's aux facts),
          FromDecode (a typed wire message: KvReq / KvAbort), Malformed (one that did not parse),
@@ -22,7 +22,7 @@ import msgspec
 
 from ..core.failures import FailureCause
 from ..core.kv_layout import KVLayout
-from ..transfer.base import Endpoint
+from ..transfer.base import Endpoint, WriteResult
 from . import wire
 from .handoff import HandoffDone
 from .machine_events import Event
@@ -91,26 +91,12 @@ class RoomRouted(Event):
 
 
 @dataclass(frozen=True)
-class WriteFacts:
-    """What a page write did (transfer.base.WriteResult), as KvDone and meta_info carry it."""
-
-    bytes: int = 0
-    transfer_s: float = 0.0
-    started_at: float | None = None
-    finished_at: float | None = None
-    writes: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclass(frozen=True)
 class WriteReturned(Event):
     """A StartWrite's job came back: `error` None means the pages landed and the KvDone went out."""
 
     room: int
     error: str | None = None
-    facts: WriteFacts | None = None
+    write: WriteResult | None = None  # the backend's, when the pages landed
 
 
 # ---- effects ----------------------------------------------------------------------------------
@@ -134,8 +120,8 @@ class Send:
 
 @dataclass(frozen=True)
 class StartWrite:
-    """Write `src_pages` into the decode's `dst_pages`, then send `done` with the write's facts
-    (bytes, timings) filled in; whatever happens, come back as one WriteReturned."""
+    """Write `src_pages` into the decode's `dst_pages`, then send `done` with the write's
+    WriteResult in it; whatever happens, come back as one WriteReturned."""
 
     room: int
     peer: Endpoint

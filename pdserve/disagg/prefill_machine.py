@@ -282,7 +282,7 @@ class PrefillHandoffs(HandoffMachine[PrefillEffect]):
         if not r.state.writing:
             raise IllegalTransition(f"room {r.room} (prefill): a page write returned in state "
                                     f"{r.state.value}, which has none out")
-        r.write = ev.facts
+        r.write = ev.write
         if ev.error is None:  # its KvDone went out: the decode has its answer even if we failed meanwhile
             r.move(R.SUCCESS if r.state is R.TRANSFERRING else R.FAILED, ev.now)
             return

@@ -7,9 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..core.failures import FailureCause
-from ..core.timeline import transfer_stages
 from . import wire
-from .handoff import HandoffDone, HandoffState
+from .handoff import HandoffDone, HandoffState, write_meta, write_stages
 from .prefill_rooms import PrefillRoom, RoomState
 
 H, R = HandoffState, RoomState
@@ -32,9 +31,8 @@ def kv_fail(room: int, dp_rank: int, reason: str, cause: FailureCause) -> wire.K
 
 def room_report(r: PrefillRoom, dp_rank: int) -> HandoffDone:
     """`r` as its caller hears it: ok (SUCCESS) or not, reason, aux, meta, stages, dropped."""
-    write = r.write.as_dict() if r.write is not None else {}
     return HandoffDone(r.room, r.rid, r.state is R.SUCCESS, r.reason, r.aux, room_meta(r, dp_rank),
-                       {**r.stages, **transfer_stages(write)}, r.state.dropped)
+                       {**r.stages, **write_stages(r.write)}, r.state.dropped)
 
 
 def room_meta(r: PrefillRoom, dp_rank: int) -> dict[str, Any]:
@@ -49,8 +47,5 @@ def room_meta(r: PrefillRoom, dp_rank: int) -> dict[str, Any]:
     elif r.state.handoff is H.FAILED:
         d["failure_cause"] = r.cause.value
     if r.write is not None:
-        secs = r.write.transfer_s
-        d["kv_bytes"] = r.write.bytes
-        d["kv_transfer_s"] = secs
-        d["kv_gbps"] = r.write.bytes / secs / 1e9 if secs > 0 else None
+        d.update(write_meta(r.write))
     return d

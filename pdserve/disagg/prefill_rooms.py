@@ -33,10 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.failures import FailureCause
-from ..transfer.base import Endpoint
+from ..transfer.base import Endpoint, WriteResult
 from . import wire
 from .handoff import Handoff, HandoffState, IllegalTransition, Side
-from .prefill_events import WriteFacts
 
 H = HandoffState
 
@@ -131,7 +130,7 @@ class PrefillRoom:
     peer: Endpoint | None = None  # where the decode hears from us (None exactly until it spoke)
     pages: list[int] | None = None  # set when the prefill finished
     aux: dict[str, Any] | None = None
-    write: WriteFacts | None = None  # what its page write did, when it came back ok
+    write: WriteResult | None = None  # what its page write did, when it came back ok
     reason: str = ""  # set with the first failure
     cause: FailureCause = FailureCause.INTERNAL
     stages: dict[str, float] = field(default_factory=dict)  # Stage value -> wall time

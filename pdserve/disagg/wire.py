@@ -3,7 +3,7 @@
 decode -> prefill  KvReq    where to write a room's KV (pages, KVLayout, endpoint) and the facts
                             both sides must agree on (page size, KvDtype, model, BackendName)
 decode -> prefill  KvAbort  the decode gave the room up
-prefill -> decode  KvDone   the pages landed; the prefill's first token and transfer facts
+prefill -> decode  KvDone   the pages landed; the prefill's first token and its WriteResult
 prefill -> decode  KvFail   the room failed on the prefill, with a reason and a FailureCause
 prefill -> decode  KvMoved  the worker the decode addressed forwarded its KvReq to the rank that
                             holds the room (zero-round-trip rendezvous for any DP method)
@@ -23,7 +23,7 @@ import msgspec
 
 from ..core.kv_layout import KVLayout
 from ..core.pd_vocab import BackendName, KvDtype
-from ..transfer.base import Endpoint
+from ..transfer.base import Endpoint, WriteResult
 
 KV_REQ = "kv_req"
 KV_ABORT = "kv_abort"
@@ -68,11 +68,7 @@ class KvDone(_Msg, tag=KV_DONE):
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     prompt_len: int | None = None
     cached_tokens: int = 0
-    bytes: int = 0
-    transfer_s: float = 0.0
-    started_at: float | None = None
-    finished_at: float | None = None
-    writes: int = 0
+    write: WriteResult | None = None  # what the page write moved and when (set by the write job)
 
 
 class KvFail(_Msg, tag=KV_FAIL):

@@ -39,6 +39,7 @@ from pdserve.disagg.handoff import TRANSITIONS, HandoffDone, HandoffState, Illeg
 from pdserve.disagg.local_facts import LocalFacts
 from pdserve.disagg.machine_events import Tick
 from pdserve.disagg.resolution import Resolved
+from pdserve.transfer.base import WriteResult
 
 D, H = DecodeState, HandoffState
 ADDR, ADDR_B = "10.0.0.1:8998", "10.0.0.9:8998"
@@ -53,7 +54,7 @@ PAGES = Reservation([9, 3, 4])
 RESOLVED_STAGES = {"topology_lookup": 100.0, "rank_resolution": 100.5}
 WAITING_STAGES = {**RESOLVED_STAGES, "preallocation": 200.0, "metadata_sent": 300.0}
 DONE = wire.KvDone(room=ROOM, prefill_rank=0, first_token=42, first_logprob=-0.25, prompt_len=PROMPT,
-                   bytes=4096, transfer_s=0.5, started_at=301.0, finished_at=301.5, writes=2)
+                   write=WriteResult(bytes=4096, started_at=301.0, finished_at=301.5, num_writes=2))
 
 
 @pytest.fixture

@@ -52,7 +52,8 @@ def accept(lk: Link, room: int = ROOM, addr: str = ADDR, prompt_len: int = PROMP
 
 
 def kv_done(room: int = ROOM) -> dict:
-    return {"t": wire.KV_DONE, "room": room, "prefill_rank": 0, **AUX, "bytes": 1, "transfer_s": 0.0}
+    return {"t": wire.KV_DONE, "room": room, "prefill_rank": 0, **AUX,
+            "write": {"bytes": 1, "started_at": 5.0, "finished_at": 5.0, "num_writes": 1}}
 
 
 # ---- happy path details -----------------------------------------------------------------------
@@ -116,6 +117,19 @@ def test_kv_done_without_first_token_fails(link):
     link.receiver.on_message({}, {"t": wire.KV_DONE, "room": ROOM, "prefill_rank": 0})
     [ddone] = link.decode_done()
     assert not ddone.ok and "first_token" in ddone.reason
+
+
+@pytest.mark.parametrize("write,error", [
+    ({"bytes": "1", "started_at": 5.0, "finished_at": 5.0}, "Expected `int`, got `str` - at `$.write.bytes`"),
+    ({"bytes": 1, "started_at": 5.0}, "Object missing required field `finished_at` - at `$.write`"),
+])
+def test_kv_done_with_a_malformed_write_fails_naming_the_room(link, write, error):
+    link.decode_sends_req()
+    link.wait_decode_state(ROOM, S.WAITING_FOR_INPUT)
+    link.receiver.on_message({}, {**kv_done(), "write": write})
+    [ddone] = link.decode_done()
+    assert not ddone.ok and ddone.reason.startswith(f"room {ROOM}: prefill {ADDR} sent a bad kv_done: ")
+    assert ddone.reason.endswith(error) and ddone.meta["failure_cause"] == "transfer"
 
 
 def test_kv_done_before_kv_req_is_ignored(link):

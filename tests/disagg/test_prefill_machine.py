@@ -29,11 +29,11 @@ from pdserve.disagg.prefill_events import (
     RoomRouted,
     Send,
     StartWrite,
-    WriteFacts,
     WriteReturned,
 )
 from pdserve.disagg.prefill_machine import PrefillHandoffs
 from pdserve.disagg.prefill_rooms import TRANSITIONS, RoomState
+from pdserve.transfer.base import WriteResult
 
 R = RoomState
 C = FailureCause
@@ -51,7 +51,7 @@ IDS = list(range(100, 110))
 SRC, DST = [1, 2, 5], [9, 3, 4]
 AUX = {"first_token": 42, "first_logprob": -0.25, "input_logprobs": None, "prompt_len": PROMPT}
 DONE = wire.KvDone(room=ROOM, prefill_rank=0, first_token=42, first_logprob=-0.25, prompt_len=PROMPT)
-FACTS = WriteFacts(bytes=3072, transfer_s=0.5, started_at=1103.5, finished_at=1104.0, writes=3)
+FACTS = WriteResult(bytes=3072, started_at=1103.5, finished_at=1104.0, num_writes=3)
 T0 = 100.0
 WALL = 1000.0  # wall = WALL + now in every event here
 ABORTED_BY_DECODE = f"room {ROOM}: decode dp_rank 1 aborted it: client went away"
