@@ -179,7 +179,7 @@ class DecodeReport:
     """A room is over: its caller answers the client now, and frees (or uses) its pages, unless
     `held`: then the room stays (QUARANTINED) and a Release names it when its pages may go."""
 
-    done: HandoffDone
+    done: HandoffDone[wire.KvDone]
     addr: str
     held: bool = False
 

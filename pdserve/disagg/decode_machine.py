@@ -21,8 +21,6 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, cast
 
-import msgspec
-
 from ..core.failures import FailureCause
 from ..core.timeline import Stage
 from . import wire
@@ -187,7 +185,7 @@ class DecodeHandoffs(HandoffMachine[DecodeEffect]):
             out.append(Log(logging.WARNING, f"decode dp_rank {self.dp_rank}: kv_done for room {r.room} "
                                             "before its kv_req; ignored", r.room))
         else:
-            r.aux = msgspec.structs.asdict(msg)
+            r.aux = msg
             r.stages.update(write_stages(msg.write))
             if r.state is D.SENDING:  # kv_done overtook our own "sent" event
                 r.move(D.WAITING, ev.now)
@@ -330,7 +328,7 @@ class DecodeHandoffs(HandoffMachine[DecodeEffect]):
     def _send_abort(self, r: DecodeRoom) -> SendAbort:
         return kv_abort(r, self.dp_rank, self.local)
 
-    def _report(self, r: DecodeRoom) -> HandoffDone:
+    def _report(self, r: DecodeRoom) -> HandoffDone[wire.KvDone]:
         return room_report(r, self.dp_rank, self.queue.retry_after)
 
     HANDLERS = {DecodeAccept: _accept, RankResolved: _resolved, PagesReserved: _reserved, KvReqSent: _sent,

@@ -34,8 +34,8 @@ def kv_abort(r: DecodeRoom, dp_rank: int, local: LocalFacts) -> SendAbort:
         room=r.room, reason=r.reason, decode_rank=dp_rank, endpoint=local.endpoint))
 
 
-def room_report(r: DecodeRoom, dp_rank: int, retry_after: int) -> HandoffDone:
-    """`r` as its caller hears it: ok (DONE) or not, reason, the KvDone's facts, meta, stages."""
+def room_report(r: DecodeRoom, dp_rank: int, retry_after: int) -> HandoffDone[wire.KvDone]:
+    """`r` as its caller hears it: ok (DONE) or not, reason, its KvDone, meta, stages."""
     return HandoffDone(r.room, r.rid, r.state is D.DONE, r.reason, r.aux, room_meta(r, dp_rank, retry_after),
                        dict(r.stages))
 
@@ -58,6 +58,6 @@ def room_meta(r: DecodeRoom, dp_rank: int, retry_after: int) -> dict[str, Any]:
     if H.WAITING_FOR_INPUT in h.entered:
         d["bootstrap_s"] = h.entered[H.WAITING_FOR_INPUT] - h.created
         d["waiting_s"] = h.entered[h.state] - h.entered[H.WAITING_FOR_INPUT]
-    if r.aux and r.aux.get("write") is not None:
-        d.update(write_meta(r.aux["write"]))
+    if r.aux is not None and r.aux.write is not None:
+        d.update(write_meta(r.aux.write))
     return d

@@ -55,13 +55,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..core.failures import FailureCause
 from ..transfer.base import Endpoint
 from .decode_events import Reservation
 from .handoff import Handoff, HandoffState, IllegalTransition, Side
 from .resolution import Resolved
+from .wire import KvDone
 
 H = HandoffState
 
@@ -126,7 +126,7 @@ class DecodeRoom:
     entered: dict[DecodeState, float] = field(default_factory=dict)  # state -> monotonic time
     resolved: Resolved | None = None  # from RESERVING on (a KvMoved re-points it at the holder)
     reservation: Reservation | None = None  # from SENDING on
-    aux: dict[str, Any] | None = None  # the kv_done's facts (DONE)
+    aux: KvDone | None = None  # the prefill's KvDone (DONE)
     reason: str = ""  # why it failed (ABORTING, FAILED)
     cause: FailureCause = FailureCause.INTERNAL
     stages: dict[str, float] = field(default_factory=dict)  # Stage value -> time.time()

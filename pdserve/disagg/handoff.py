@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Generic, TypeVar
 
 from ..core.timeline import Stage
 from ..transfer.base import WriteResult
@@ -123,16 +123,20 @@ class Handoff:
         return out
 
 
+A = TypeVar("A")
+
+
 @dataclass
-class HandoffDone:
+class HandoffDone(Generic[A]):
     """A finished room, as the sender or receiver reports it to its worker: success or the
-    failure reason, the aux data from the prefill, timings for meta_info, and stage times."""
+    failure reason, the aux data (the prefill's PrefillFacts, the decode's KvDone), timings for
+    meta_info, and stage times."""
 
     room: int
     rid: str
     ok: bool
     reason: str
-    aux: dict[str, Any] | None
+    aux: A | None
     meta: dict[str, Any]
     stages: dict[str, float] = field(default_factory=dict)
     dropped: bool = False  # prefill: the decode prefilled the room itself (not a failure)

@@ -100,7 +100,7 @@ class DecodeReceiver:
         self.inbox = Inbox(wake)  # events from other threads: the link's, and the send jobs'
         link.bind(self.inbox)
         self.pool = ThreadPoolExecutor(limits.send_threads, thread_name_prefix=f"kv-recv-{dp_rank}")
-        self._finished: list[HandoffDone] = []  # reported by the machine, returned by poll()
+        self._finished: list[HandoffDone[wire.KvDone]] = []  # reported by the machine, returned by poll()
         self._held: set[int] = set()  # rooms reported whose pages stay held (quarantined)
         self._released: list[int] = []  # held rooms whose pages may go now, returned by released()
 
@@ -143,7 +143,7 @@ class DecodeReceiver:
         self._step(Abort(room, reason, now=time.monotonic()))
 
     # ---- progress (loop thread) ------------------------------------------------------------
-    def poll(self, now: float | None = None) -> list[HandoffDone]:
+    def poll(self, now: float | None = None) -> list[HandoffDone[wire.KvDone]]:
         for ev in self.inbox.drain():
             self._step(dataclasses.replace(ev, now=time.monotonic()))
         now = time.monotonic() if now is None else now

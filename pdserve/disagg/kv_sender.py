@@ -42,6 +42,7 @@ from .prefill_events import (
     PrefillAccept,
     PrefillDone,
     PrefillEffect,
+    PrefillFacts,
     PrefillReport,
     RoomRouted,
     Send,
@@ -66,7 +67,7 @@ class PrefillSender:
                                        failed_ttl=failed_ttl, instance_id=instance_id)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kv-send-{dp_rank}")
         self.jobs: queue.Queue[tuple[int, str | None, WriteResult | None]] = queue.Queue()  # (room, error, write)
-        self.done: list[HandoffDone] = []
+        self.done: list[HandoffDone[PrefillFacts]] = []
         self.wake = wake  # called from job threads so the loop polls at once
 
     # ---- the machine's state, read-only (instance_id is set once the rank registered) --------
@@ -122,7 +123,7 @@ class PrefillSender:
         `prompt_ids` lets a decode reuse a prefix it holds (its key is checked against them)."""
         self._step(PrefillAccept(room, rid, prompt_len, prompt_ids, **_stamp()))
 
-    def prefill_done(self, room: int, pages: list[int], aux: dict[str, Any]) -> None:
+    def prefill_done(self, room: int, pages: list[int], aux: PrefillFacts) -> None:
         self._step(PrefillDone(room, pages, aux, **_stamp()))
 
     def fail(self, room: int, reason: str, cause: FailureCause = FailureCause.ABORTED) -> None:
@@ -153,7 +154,7 @@ class PrefillSender:
                                         **_stamp()))
         self._step(FromDecode(sender, msg, **_stamp()))
 
-    def poll(self, now: float | None = None) -> list[HandoffDone]:
+    def poll(self, now: float | None = None) -> list[HandoffDone[PrefillFacts]]:
         while True:
             try:
                 room, err, write = self.jobs.get_nowait()

@@ -1,7 +1,7 @@
 """The prefill machine's events (what happened) and effects (what its driver must do). Plain
 data; the rules are in prefill_machine.
 
-Events:  PrefillAccept (the prefill request), PrefillDone (pages + the engine's aux facts),
+Events:  PrefillAccept (the prefill request), PrefillDone (pages + the engine's PrefillFacts),
          FromDecode (a typed wire message: KvReq / KvAbort), Malformed (one that did not parse),
          Fail (abort), MarkFailed (the front
          failed the room), Drop (the decode prefilled it itself), RoomRouted (the front sent a
@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Union, cast
+from typing import Union, cast
 
 import msgspec
 
 from ..core.failures import FailureCause
 from ..core.kv_layout import KVLayout
+from ..core.logprobs import TopLogprobs
 from ..transfer.base import Endpoint, WriteResult
 from . import wire
 from .handoff import HandoffDone
@@ -40,10 +41,23 @@ class PrefillAccept(Event):
 
 
 @dataclass(frozen=True)
+class PrefillFacts:
+    """The engine's facts about a finished prefill, named as the KvDone fields that carry them."""
+
+    first_token: int | None  # None: the engine sampled none, so there is nothing to hand over
+    first_logprob: float | None = None
+    first_top_logprobs: TopLogprobs | None = None
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[TopLogprobs | None] | None = None
+    prompt_len: int | None = None
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
 class PrefillDone(Event):
     room: int
     pages: list[int]
-    aux: dict[str, Any]  # the KvDone facts (prefill_messages.DONE_FIELDS): first token, logprobs, prompt_len, ...
+    aux: PrefillFacts
 
 
 @dataclass(frozen=True)
@@ -135,7 +149,7 @@ class StartWrite:
 class PrefillReport:
     """A finished room for the worker: its pages may be released now."""
 
-    done: HandoffDone
+    done: HandoffDone[PrefillFacts]
 
 
 PrefillEffect = Union[Send, StartWrite, PrefillReport]

@@ -38,6 +38,7 @@ from .prefill_events import (
     PrefillAccept,
     PrefillDone,
     PrefillEffect,
+    PrefillFacts,
     PrefillReport,
     RoomRouted,
     Send,
@@ -310,7 +311,7 @@ class PrefillHandoffs(HandoffMachine[PrefillEffect]):
                        FailureCause.TIMEOUT, now, out)
         self.notes.expire(now, self.bootstrap_timeout, self.failed_ttl)
 
-    def _report(self, r: PrefillRoom) -> HandoffDone:
+    def _report(self, r: PrefillRoom) -> HandoffDone[PrefillFacts]:
         return room_report(r, self.dp_rank)
 
     HANDLERS = {PrefillAccept: _on_accept, PrefillDone: _on_prefill_done, FromDecode: _on_message,

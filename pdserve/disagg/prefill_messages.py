@@ -4,32 +4,30 @@ state's time, ranks, forwarding, the transfer's bytes and rate, failure cause)."
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..core.failures import FailureCause
 from . import wire
 from .handoff import HandoffDone, HandoffState, write_meta, write_stages
+from .prefill_events import PrefillFacts
 from .prefill_rooms import PrefillRoom, RoomState
 
 H, R = HandoffState, RoomState
-# the engine's facts about a finished prefill that a KvDone carries
-DONE_FIELDS = ("first_token", "first_logprob", "first_top_logprobs", "input_logprobs", "input_top_logprobs",
-               "prompt_len", "cached_tokens")
 
 
 def kv_done(r: PrefillRoom, dp_rank: int) -> wire.KvDone:
-    """The KvDone that follows `r`'s pages (the write fills in its facts); TypeError when the
-    engine's facts lack the first token."""
-    aux = r.aux or {}
-    facts = {k: aux[k] for k in DONE_FIELDS if aux.get(k) is not None}
-    return wire.KvDone(room=r.room, prefill_rank=dp_rank, **facts)
+    """The KvDone that follows `r`'s pages, carrying its PrefillFacts (the write job adds its
+    WriteResult); TypeError (msgspec's, naming the field) when the engine sampled no first token."""
+    facts = {f.name: getattr(r.aux, f.name) for f in dataclasses.fields(PrefillFacts)} if r.aux else {}
+    return wire.KvDone(room=r.room, prefill_rank=dp_rank, **{k: v for k, v in facts.items() if v is not None})
 
 
 def kv_fail(room: int, dp_rank: int, reason: str, cause: FailureCause) -> wire.KvFail:
     return wire.KvFail(room=room, prefill_rank=dp_rank, reason=reason, cause=cause.value)
 
 
-def room_report(r: PrefillRoom, dp_rank: int) -> HandoffDone:
+def room_report(r: PrefillRoom, dp_rank: int) -> HandoffDone[PrefillFacts]:
     """`r` as its caller hears it: ok (SUCCESS) or not, reason, aux, meta, stages, dropped."""
     return HandoffDone(r.room, r.rid, r.state is R.SUCCESS, r.reason, r.aux, room_meta(r, dp_rank),
                        {**r.stages, **write_stages(r.write)}, r.state.dropped)

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..core.failures import FailureCause
 from ..transfer.base import Endpoint, WriteResult
 from . import wire
 from .handoff import Handoff, HandoffState, IllegalTransition, Side
+from .prefill_events import PrefillFacts
 
 H = HandoffState
 
@@ -129,7 +129,7 @@ class PrefillRoom:
     req: wire.KvReq | None = None  # the decode's, once attached
     peer: Endpoint | None = None  # where the decode hears from us (None exactly until it spoke)
     pages: list[int] | None = None  # set when the prefill finished
-    aux: dict[str, Any] | None = None
+    aux: PrefillFacts | None = None  # set when the prefill finished
     write: WriteResult | None = None  # what its page write did, when it came back ok
     reason: str = ""  # set with the first failure
     cause: FailureCause = FailureCause.INTERNAL

@@ -22,6 +22,7 @@ from typing import Any, Union
 import msgspec
 
 from ..core.kv_layout import KVLayout
+from ..core.logprobs import TopLogprobs
 from ..core.pd_vocab import BackendName, KvDtype
 from ..transfer.base import Endpoint, WriteResult
 
@@ -60,12 +61,14 @@ class KvAbort(_Msg, tag=KV_ABORT):
 
 
 class KvDone(_Msg, tag=KV_DONE):
+    """The prefill's facts (prefill_events.PrefillFacts, the same names) and its page write."""
+
     prefill_rank: int
     first_token: int
     first_logprob: float | None = None
-    first_top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), most likely first
+    first_top_logprobs: TopLogprobs | None = None  # (token id, logprob), most likely first
     input_logprobs: list[float | None] | None = None
-    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    input_top_logprobs: list[TopLogprobs | None] | None = None
     prompt_len: int | None = None
     cached_tokens: int = 0
     write: WriteResult | None = None  # what the page write moved and when (set by the write job)

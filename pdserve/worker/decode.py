@@ -177,16 +177,17 @@ class DecodeRole(WorkerRole):
                 status, kind = (429, "overloaded_error") if refused else (500, "handoff_error")
                 outs.append(error_output(req.rid, status, done.reason, kind, done.meta, done.stages))
                 continue
-            aux = done.aux or {}
+            kv = done.aux  # the prefill's KvDone: a successful handoff has one
+            assert kv is not None
             # SGLang's return_logprob leaves the prompt's logprobs to the prefill's reply (the
             # router puts them in front); an OpenAI echo gets them in this decode's reply
             echo = req.prompt_logprobs is PromptLogprobs.IN_REPLY
             step = self.engine.add_prefilled(
-                engine_request(req), aux["first_token"], aux.get("first_logprob"), aux.get("first_top_logprobs"),
-                aux.get("input_logprobs") if echo else None, aux.get("input_top_logprobs") if echo else None)
+                engine_request(req), kv.first_token, kv.first_logprob, kv.first_top_logprobs,
+                kv.input_logprobs if echo else None, kv.input_top_logprobs if echo else None)
             if step.finished:
                 self.rooms.pop(req.rid, None)
-            step.cached_tokens = int(aux.get("cached_tokens") or 0)  # reused on the prefill side
+            step.cached_tokens = kv.cached_tokens  # reused on the prefill side
             outs.append(to_token_output(step, done.meta, done.stages))
         for room in self.receiver.released():
             rid = self.quarantined.pop(room, None)

@@ -13,6 +13,7 @@ from ..core.netaddr import local_connect_host
 from ..disagg.bootstrap_client import BootstrapClient, bootstrap_addr
 from ..disagg.bootstrap_table import RankInfo
 from ..disagg.kv_sender import PrefillSender
+from ..disagg.prefill_events import PrefillFacts
 from ..engine.sequence import StepOutput
 from ..transfer.base import Endpoint
 from .colocated import ColocatedRole
@@ -74,11 +75,10 @@ class PrefillRole(WorkerRole):
             if not o.finished:
                 continue
             self.first[o.rid] = o
-            self.sender.prefill_done(room, o.held_pages or [], {
-                "first_token": o.token_id, "first_logprob": o.logprob, "first_top_logprobs": o.top_logprobs,
-                "input_logprobs": o.input_logprobs, "input_top_logprobs": o.input_top_logprobs,
-                "prompt_len": o.prompt_tokens,
-                "cached_tokens": o.cached_tokens})
+            self.sender.prefill_done(room, o.held_pages or [], PrefillFacts(
+                first_token=o.token_id, first_logprob=o.logprob, first_top_logprobs=o.top_logprobs,
+                input_logprobs=o.input_logprobs, input_top_logprobs=o.input_top_logprobs,
+                prompt_len=o.prompt_tokens, cached_tokens=o.cached_tokens))
         return local + self.poll()
 
     def on_abort(self, rid: str, reason: str) -> list[TokenOutput]:

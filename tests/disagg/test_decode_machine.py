@@ -86,7 +86,7 @@ def send_abort(reason: str, room: int = ROOM, peer: dict = P_EP) -> SendAbort:
     return SendAbort(room, peer, wire.KvAbort(room=room, reason=reason, decode_rank=1, endpoint=LOCAL.endpoint))
 
 
-def fin(room: int = ROOM, ok: bool = False, reason: str = "", aux: dict | None = None,
+def fin(room: int = ROOM, ok: bool = False, reason: str = "", aux: wire.KvDone | None = None,
         stages: dict | None = None, addr: str = ADDR, held: bool = False, **meta) -> DecodeReport:
     return DecodeReport(HandoffDone(room, f"d-{room}", ok, reason, aux,
                               {"bootstrap_room": room, "decode_dp_rank": 1, **meta}, stages or {}), addr, held)
@@ -176,7 +176,7 @@ def test_a_room_from_accept_to_its_report(m):
     assert m.step(FromPrefill(DONE, now=4.0)) == []
     assert r.state is D.DONE and r.handoff.state is H.SUCCESS and r.handoff.done
     stages = {**WAITING_STAGES, "first_kv_byte": 301.0, "last_kv_byte": 301.5}
-    assert m.step(Tick(now=4.5)) == [fin(ok=True, aux=msgspec.structs.asdict(DONE), stages=stages,
+    assert m.step(Tick(now=4.5)) == [fin(ok=True, aux=DONE, stages=stages,
                                      **resolved_meta(), **paged_meta(), bootstrap_s=3.0, waiting_s=1.0,
                                      kv_bytes=4096, kv_transfer_s=0.5, kv_gbps=4096 / 0.5 / 1e9)]
     assert m.rooms == {}

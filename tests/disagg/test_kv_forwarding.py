@@ -105,7 +105,7 @@ def trio(request) -> Trio:
 
 def holder_prefills(t: Trio) -> None:
     t.holder.accept(ROOM, "p-1", PROMPT)
-    t.holder.prefill_done(ROOM, SRC, dict(AUX))
+    t.holder.prefill_done(ROOM, SRC, AUX)
 
 
 def assert_success(t: Trio) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 
 from pdserve.disagg import wire
@@ -52,7 +53,7 @@ def accept(lk: Link, room: int = ROOM, addr: str = ADDR, prompt_len: int = PROMP
 
 
 def kv_done(room: int = ROOM) -> dict:
-    return {"t": wire.KV_DONE, "room": room, "prefill_rank": 0, **AUX,
+    return {"t": wire.KV_DONE, "room": room, "prefill_rank": 0, **msgspec.to_builtins(AUX),
             "write": {"bytes": 1, "started_at": 5.0, "finished_at": 5.0, "num_writes": 1}}
 
 
@@ -97,7 +98,7 @@ def test_pages_are_reserved_between_two_steps_not_inside_one(link):
 def test_kv_done_before_the_sent_event_is_handled(link):
     """The prefill can answer before the decode loop saw its own send complete."""
     link.sender.accept(ROOM, "p-1", PROMPT)
-    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    link.sender.prefill_done(ROOM, SRC, AUX)
     accept(link)
     link.prefills.resolved(link.resolved())
     assert link.receiver.poll() == []
@@ -166,7 +167,7 @@ def test_reserve_none_delays_kv_req_until_pages_free(request):
     [req] = pump(lk.prefill_be, lk.sender.on_message)
     assert req["dst_pages"] == [0, 1, 5]
     lk.sender.accept(ROOM, "p-1", PROMPT)
-    lk.sender.prefill_done(ROOM, SRC, dict(AUX))
+    lk.sender.prefill_done(ROOM, SRC, AUX)
     assert lk.prefill_done()[0].ok
     lk.to_decode()
     [ddone] = lk.decode_done()
@@ -282,7 +283,7 @@ def test_decode_abort_after_kv_req(link, prefill_has_request):
         link.sender.accept(ROOM, "p-1", PROMPT)
     [pdone] = link.sender.poll()
     assert not pdone.ok and "client went away" in pdone.reason
-    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    link.sender.prefill_done(ROOM, SRC, AUX)
     assert link.sender.poll() == [] and not link.d_mem.any()
     assert_idle(link)
 
@@ -291,7 +292,7 @@ def test_abort_after_success_or_unknown_room_is_a_no_op(link):
     link.receiver.abort(424242, "nothing here")
     link.sender.accept(ROOM, "p-1", PROMPT)
     link.deliver_req()
-    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    link.sender.prefill_done(ROOM, SRC, AUX)
     link.to_decode()
     [ddone] = link.decode_done()
     assert ddone.ok
@@ -440,7 +441,7 @@ def test_full_handoff_through_a_prefill_link(request, bootstrap):
                                  load_balance_method="auto", fingerprint=FP, endpoint=ep,
                                  transfer_backend="fake"))
     lk.sender.accept(ROOM, "p-1", PROMPT)
-    lk.sender.prefill_done(ROOM, SRC, dict(AUX))
+    lk.sender.prefill_done(ROOM, SRC, AUX)
     lk.receiver.accept(ROOM, "d-1", server.addr, PROMPT, None)
     deliver_when_resolved(lk)
     assert lk.prefill_done()[0].ok

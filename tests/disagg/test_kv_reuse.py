@@ -5,6 +5,8 @@ clearly; a prompt the decode holds whole moves no bytes at all."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -54,7 +56,7 @@ def reuse(lk: Link, pages: list[int], reused: int, key: str) -> list:
 def handoff(lk: Link, prompt_ids=IDS) -> None:
     lk.sender.accept(ROOM, "p-1", PROMPT, prompt_ids)
     lk.deliver_req()
-    lk.sender.prefill_done(ROOM, SRC, dict(AUX))
+    lk.sender.prefill_done(ROOM, SRC, AUX)
 
 
 def test_only_the_pages_the_decode_lacks_are_written(link):
@@ -104,10 +106,10 @@ def test_a_prompt_the_decode_holds_whole_moves_no_bytes(request):
     assert lk.receiver.poll() == []
     [req] = lk.to_prefill()
     assert req["dst_pages"] == [] and req["reused_pages"] == 2
-    lk.sender.prefill_done(ROOM, SRC[:2], {**AUX, "prompt_len": 8})
+    lk.sender.prefill_done(ROOM, SRC[:2], dataclasses.replace(AUX, prompt_len=8))
     [pdone] = lk.prefill_done()
     assert pdone.ok and pdone.meta["kv_bytes"] == 0
     lk.to_decode()
     [ddone] = lk.decode_done()
-    assert ddone.ok and ddone.aux["first_token"] == AUX["first_token"] and ddone.meta["kv_transferred_pages"] == 0
+    assert ddone.ok and ddone.aux.first_token == AUX.first_token and ddone.meta["kv_transferred_pages"] == 0
     assert not lk.d_mem.any()

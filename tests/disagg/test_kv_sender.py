@@ -23,6 +23,7 @@ from tests.harness.handoff_harness import (
     WAIT_S,
     assert_idle,
     assert_pages_landed,
+    facts_of,
     make_link,
 )
 
@@ -39,16 +40,16 @@ def test_happy_path_pages_land_in_dst_pages(link, order):
         assert ROOM in link.sender.early and link.sender.inflight() == 0
         link.sender.accept(ROOM, "p-1", PROMPT)
         assert link.sender.rooms[ROOM].handoff.state is S.WAITING_FOR_INPUT
-        link.sender.prefill_done(ROOM, SRC, dict(AUX))
+        link.sender.prefill_done(ROOM, SRC, AUX)
     else:
         link.sender.accept(ROOM, "p-1", PROMPT)
         if order == "prefilled_first":
-            link.sender.prefill_done(ROOM, SRC, dict(AUX))
+            link.sender.prefill_done(ROOM, SRC, AUX)
             assert link.sender.rooms[ROOM].handoff.state is S.BOOTSTRAPPING
         link.deliver_req()
         if order == "request_first":
             assert link.sender.rooms[ROOM].handoff.state is S.WAITING_FOR_INPUT
-            link.sender.prefill_done(ROOM, SRC, dict(AUX))
+            link.sender.prefill_done(ROOM, SRC, AUX)
     [pdone] = link.prefill_done()
     assert pdone.ok and pdone.rid == "p-1" and pdone.reason == ""
     [msg] = link.to_decode()
@@ -58,7 +59,7 @@ def test_happy_path_pages_land_in_dst_pages(link, order):
     dst = link.pool.held[f"d-{ROOM}"]
     assert dst == [9, 3, 4]
     assert_pages_landed(link, SRC, dst)
-    assert {k: ddone.aux[k] for k in AUX} == AUX
+    assert facts_of(ddone.aux) == AUX
     nbytes = len(SRC) * REGIONS * PAGE_BYTES
     assert pdone.meta["kv_bytes"] == nbytes == ddone.meta["kv_bytes"]
     assert pdone.meta["prefill_dp_rank"] == 0 and pdone.meta["bootstrap_room"] == ROOM
@@ -75,7 +76,7 @@ def test_write_job_wakes_loop_and_counts_inflight(link):
     link.deliver_req()
     assert link.sender.inflight() == 1
     link.prefill_be.gate.clear()
-    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    link.sender.prefill_done(ROOM, SRC, AUX)
     assert link.prefill_be.writing.wait(WAIT_S)
     assert link.sender.poll() == [] and link.sender.inflight() == 1
     link.prefill_be.gate.set()
@@ -114,7 +115,7 @@ def test_room_in_progress_marked_failed_ends_now_and_frees(link):
     the prefill's room ends at once with that reason, not at its bootstrap deadline."""
     gave_up = f"the decode side gave up the room: room {ROOM}: other transfer backend"
     link.sender.accept(ROOM, "p-1", PROMPT)
-    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    link.sender.prefill_done(ROOM, SRC, AUX)
     assert link.sender.poll() == [] and link.sender.inflight() == 1
     link.sender.mark_failed(ROOM, gave_up)
     [pdone] = link.sender.poll()
@@ -185,7 +186,7 @@ def test_prompt_length_mismatch_fails_both(link, decode_len):
 # ---- deadlines --------------------------------------------------------------------------------
 def test_bootstrap_timeout_without_kv_req(link):
     link.sender.accept(ROOM, "p-1", PROMPT)
-    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    link.sender.prefill_done(ROOM, SRC, AUX)
     t0 = link.sender.rooms[ROOM].handoff.created
     assert link.sender.poll(now=t0 + 29.9) == []
     [pdone] = link.sender.poll(now=t0 + 30.1)
@@ -222,7 +223,7 @@ def test_prefill_abort_before_transfer(link, state):
         assert link.to_decode()[0]["t"] == wire.KV_FAIL
         [ddone] = link.decode_done()
         assert not ddone.ok and "client gone" in ddone.reason
-    link.sender.prefill_done(ROOM, SRC, dict(AUX))  # the engine finishing late changes nothing
+    link.sender.prefill_done(ROOM, SRC, AUX)  # the engine finishing late changes nothing
     assert link.sender.poll() == []
     assert not link.d_mem.any()
 
@@ -231,7 +232,7 @@ def test_prefill_abort_while_writing_keeps_pages_until_the_write_returns(link):
     link.sender.accept(ROOM, "p-1", PROMPT)
     link.deliver_req()
     link.prefill_be.gate.clear()
-    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    link.sender.prefill_done(ROOM, SRC, AUX)
     assert link.prefill_be.writing.wait(WAIT_S)
     link.sender.fail(ROOM, "prefill request aborted")
     assert link.sender.rooms[ROOM].handoff.state is S.FAILED
@@ -251,7 +252,7 @@ def test_write_failure_fails_both_sides(link):
     link.prefill_be.faults.fail_writes = 1
     link.sender.accept(ROOM, "p-1", PROMPT)
     link.deliver_req()
-    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    link.sender.prefill_done(ROOM, SRC, AUX)
     [pdone] = link.prefill_done()
     assert not pdone.ok and "injected write failure" in pdone.reason and f"room {ROOM}" in pdone.reason
     [msg] = link.to_decode()
@@ -267,7 +268,7 @@ def test_kv_done_send_failure_fails_both_sides(link):
     link.sender.accept(ROOM, "p-1", PROMPT)
     link.deliver_req()
     link.prefill_be.faults.fail_sends = 1
-    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    link.sender.prefill_done(ROOM, SRC, AUX)
     [pdone] = link.prefill_done()
     assert not pdone.ok and "injected send failure" in pdone.reason
     assert link.to_decode()[0]["t"] == wire.KV_FAIL
@@ -279,7 +280,7 @@ def test_write_failure_after_abort_still_tells_the_decode(link):
     link.deliver_req()
     link.prefill_be.gate.clear()
     link.prefill_be.faults.fail_writes = 1
-    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    link.sender.prefill_done(ROOM, SRC, AUX)
     assert link.prefill_be.writing.wait(WAIT_S)
     link.sender.fail(ROOM, "prefill request aborted")
     assert link.sender.poll() == []
@@ -313,13 +314,13 @@ def test_decode_abort_is_answered_and_fails_the_room(link, state):
         link.sender.accept(ROOM, "p-1", PROMPT)  # the request arrives after the abort
     [pdone] = link.sender.poll()
     assert not pdone.ok and "client went away" in pdone.reason and f"room {ROOM}" in pdone.reason
-    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    link.sender.prefill_done(ROOM, SRC, AUX)
     assert link.sender.poll() == [] and not link.d_mem.any()
 
 
 def test_decode_abort_overtaking_its_kv_req_is_never_served(link):
     link.sender.accept(ROOM, "p-1", PROMPT)
-    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    link.sender.prefill_done(ROOM, SRC, AUX)
     link.sender.on_message(link.d_local["endpoint"], _abort_msg())
     assert not link.sender.poll()[0].ok
     link.deliver_req()  # arrives late: refused, nothing written
@@ -332,7 +333,7 @@ def test_decode_abort_during_write_answered_after_the_write(link):
     link.sender.accept(ROOM, "p-1", PROMPT)
     link.deliver_req()
     link.prefill_be.gate.clear()
-    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    link.sender.prefill_done(ROOM, SRC, AUX)
     assert link.prefill_be.writing.wait(WAIT_S)
     link.sender.on_message(link.d_local["endpoint"], _abort_msg())
     assert link.sender.poll() == []
@@ -399,7 +400,7 @@ def test_duplicate_kv_req_is_ignored(link):
     assert link.sender.rooms[ROOM].handoff.state is S.WAITING_FOR_INPUT
     link.sender.on_message(link.d_local["endpoint"], {**req, "dst_pages": [0]})
     assert link.sender.rooms[ROOM].req.dst_pages == req["dst_pages"]
-    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    link.sender.prefill_done(ROOM, SRC, AUX)
     assert link.prefill_done()[0].ok
 
 
@@ -410,11 +411,11 @@ def test_a_room_accepted_twice_is_refused_and_the_first_one_kept(link):
     with pytest.raises(ValueError, match=f"room {ROOM} is already in progress"):
         link.sender.accept(ROOM, "p-2", PROMPT + 4)
     link.deliver_req()
-    link.sender.prefill_done(ROOM, SRC, dict(AUX))
+    link.sender.prefill_done(ROOM, SRC, AUX)
     [done] = link.prefill_done()
     assert done.ok and done.rid == "p-1"
     link.to_decode()
     [got] = link.decode_done()
-    assert got.ok and got.aux["first_token"] == AUX["first_token"]
+    assert got.ok and got.aux.first_token == AUX.first_token
     assert_pages_landed(link, SRC, [9, 3, 4])  # the pool's first free pages
     assert_idle(link)

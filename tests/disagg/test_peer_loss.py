@@ -167,7 +167,7 @@ def test_an_unheard_prefill_fails_the_room_at_once_and_its_late_kv_done_frees_th
     assert done.meta["failure_cause"] == "peer_gone"
     assert link.receiver.holds(ROOM) and link.receiver.released() == [] and link.receiver.inflight() == 1
     assert link.receiver.states() == {"quarantined": 1} and link.prefills.watched() == {ADDR}
-    link.sender.prefill_done(ROOM, SRC, dict(AUX))  # healed: the prefill writes the room's pages
+    link.sender.prefill_done(ROOM, SRC, AUX)  # healed: the prefill writes the room's pages
     [pdone] = link.prefill_done()
     assert pdone.ok  # for the prefill the handoff worked
     link.to_decode()  # its kv_done

@@ -117,7 +117,7 @@ def test_effects_are_carried_out_and_answers_come_back_as_typed_events(request, 
 def test_a_handoff_through_the_link_and_the_watch_it_keeps(wired, boot):
     lk, plink = wired
     lk.sender.accept(1, "p-1", PROMPT)
-    lk.sender.prefill_done(1, SRC, dict(AUX))
+    lk.sender.prefill_done(1, SRC, AUX)
     lk.receiver.accept(1, "d-1", boot.addr, PROMPT, None)
     assert plink.watched() == {boot.addr}
     deliver_when_resolved(lk)

@@ -25,6 +25,7 @@ from pdserve.disagg.prefill_events import (
     MarkFailed,
     PrefillAccept,
     PrefillDone,
+    PrefillFacts,
     PrefillReport,
     RoomRouted,
     Send,
@@ -49,7 +50,7 @@ LAYOUT = KVLayout(base_ptr=0, num_regions=4, num_pages=16, page_bytes=64, region
 ROOM, PROMPT = 7, 10  # 10 tokens -> 3 pages of 4
 IDS = list(range(100, 110))
 SRC, DST = [1, 2, 5], [9, 3, 4]
-AUX = {"first_token": 42, "first_logprob": -0.25, "input_logprobs": None, "prompt_len": PROMPT}
+AUX = PrefillFacts(first_token=42, first_logprob=-0.25, input_logprobs=None, prompt_len=PROMPT)
 DONE = wire.KvDone(room=ROOM, prefill_rank=0, first_token=42, first_logprob=-0.25, prompt_len=PROMPT)
 FACTS = WriteResult(bytes=3072, started_at=1103.5, finished_at=1104.0, num_writes=3)
 T0 = 100.0
@@ -92,7 +93,7 @@ def accept(m, t=T0, prompt_len=PROMPT, ids=IDS, room=ROOM):
 
 
 def prefilled(m, t=T0, pages=SRC, aux=AUX, room=ROOM):
-    return m.step(PrefillDone(room, list(pages), dict(aux), **at(t)))
+    return m.step(PrefillDone(room, list(pages), aux, **at(t)))
 
 
 def deliver(m, msg=None, t=T0, sender=DEC):
@@ -266,7 +267,7 @@ def test_a_prompt_the_decode_holds_whole_writes_no_pages():
     req = kv_req(dst_pages=[], prompt_len=8, reused_pages=2, reused_key=prefix_key(ids, 4, 2))
     assert deliver(m, req) == []
     done = wire.KvDone(room=ROOM, prefill_rank=0, first_token=42, prompt_len=8)
-    assert prefilled(m, pages=SRC[:2], aux={"first_token": 42, "prompt_len": 8}) == [write([], [], done)]
+    assert prefilled(m, pages=SRC[:2], aux=PrefillFacts(first_token=42, prompt_len=8)) == [write([], [], done)]
 
 
 def test_reused_pages_are_not_written():
@@ -331,7 +332,7 @@ def test_a_prefill_without_a_first_token_fails_instead_of_writing():
     drive(m, R.WAITING_FOR_INPUT)
     why = (f"room {ROOM}: KV transfer from prefill dp_rank 0 to decode fake://10.0.0.2:7001 failed: "
            "Missing required argument 'first_token'")
-    assert prefilled(m, aux={"prompt_len": PROMPT}) == [kv_fail(why, C.TRANSFER)]
+    assert prefilled(m, aux=PrefillFacts(first_token=None, prompt_len=PROMPT)) == [kv_fail(why, C.TRANSFER)]
     assert state(m) is R.FAILED
 
 

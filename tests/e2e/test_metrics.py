@@ -30,6 +30,7 @@ from pdserve.disagg.decode_events import RankResolved  # noqa: E402
 from pdserve.disagg.kv_receiver import DecodeReceiver, ReceiverLimits  # noqa: E402
 from pdserve.disagg.kv_sender import PrefillSender  # noqa: E402
 from pdserve.disagg.local_facts import LocalFacts  # noqa: E402
+from pdserve.disagg.prefill_events import PrefillFacts  # noqa: E402
 from pdserve.disagg.resolution import Resolved  # noqa: E402
 from pdserve.router.metrics import RouterMetrics  # noqa: E402
 from pdserve.server.metrics import FrontMetrics  # noqa: E402
@@ -199,7 +200,7 @@ def test_transfer_speed_is_bytes_over_the_backends_own_write_calls(monkeypatch):
         receiver.accept(room, "d", "x:1", prompt, None)
         receiver.inbox.post(RankResolved(Resolved(room, "x:1", 0, "single", info, "i", topology_at=1.0,
                                                   resolved_at=1.0)))
-        sender.prefill_done(room, list(range(pages))[::-1], {"first_token": 5, "prompt_len": prompt})
+        sender.prefill_done(room, list(range(pages))[::-1], PrefillFacts(first_token=5, prompt_len=prompt))
         p_done, d_done, end = [], [], time.monotonic() + 30
         while not (p_done and d_done):
             assert time.monotonic() < end, "the handoff did not finish"

@@ -23,6 +23,7 @@ from pdserve.disagg.kv_receiver import DecodeReceiver, ReceiverLimits
 from pdserve.disagg.kv_sender import PrefillSender
 from pdserve.disagg.link_api import Inbox, LinkEffect, PeerLink
 from pdserve.disagg.local_facts import LocalFacts
+from pdserve.disagg.prefill_events import PrefillFacts
 from pdserve.disagg.resolution import Resolved
 from pdserve.transfer.fake import FakeBackend, FakeFabric
 
@@ -33,7 +34,7 @@ ADDR = "127.0.0.1:8998"
 ROOM = 1234567
 PROMPT = 10  # tokens -> 3 pages
 SRC = [1, 2, 5]  # the prefill's pages of the prompt
-AUX = {"first_token": 42, "first_logprob": -0.25, "input_logprobs": None, "prompt_len": PROMPT}
+AUX = PrefillFacts(first_token=42, first_logprob=-0.25, input_logprobs=None, prompt_len=PROMPT)
 WAIT_S = 5.0
 THREAD_PREFIXES = ("kv-send", "kv-recv", "kv-msg-pump", "resolve", "dp-rank-query", "pd-heartbeat",
                    "pd-link", "bootstrap-http")
@@ -247,6 +248,11 @@ def make_link(*, decode_local: dict | None = None, free: list[int] | None = None
                               limits=ReceiverLimits(waiting_timeout=waiting_timeout, abort_grace=abort_grace))
     return Link(fabric, pbe, dbe, p_mem, d_mem, sender, receiver, prefills, pool,
                 req_facts(p_facts), req_facts(d_facts), wakes)
+
+
+def facts_of(done: wire.KvDone) -> PrefillFacts:
+    """The PrefillFacts a KvDone carries (its fields of the same names)."""
+    return PrefillFacts(**{f.name: getattr(done, f.name) for f in dataclasses.fields(PrefillFacts)})
 
 
 def req_facts(local: LocalFacts) -> dict:
