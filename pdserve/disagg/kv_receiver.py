@@ -169,7 +169,7 @@ class DecodeReceiver:
         elif isinstance(e, SendKvReq):
             self.pool.submit(self._send_req, e.room, e.resolved, e.req)
         elif isinstance(e, SendAbort):
-            self._submit(self._quiet_send, e.peer, wire.to_wire(e.msg))
+            self._submit(self._quiet_send, e.peer, e.msg)
         elif isinstance(e, Log):
             log.log(e.level, "%s", e.message, extra={"room": e.room})
         elif isinstance(e, DecodeReport):
@@ -205,7 +205,7 @@ class DecodeReceiver:
             pass
 
     @staticmethod
-    def _peer(res: Resolved) -> dict[str, Any]:
+    def _peer(res: Resolved) -> Endpoint:
         """The prefill rank's transfer endpoint descriptor."""
         assert res.info is not None
         return res.info.peer()
@@ -223,12 +223,12 @@ class DecodeReceiver:
             err = f"room {room}: sending metadata to prefill {res.addr} dp_rank {res.rank} failed: {e}"
         self.inbox.post(KvReqSent(room, sent_at, err))
 
-    def _quiet_send(self, peer: Endpoint, msg: dict[str, Any]) -> None:
+    def _quiet_send(self, peer: Endpoint, msg: wire.KvAbort) -> None:
         try:
-            self.backend.send(peer, msg)
+            self.backend.send(peer, wire.to_wire(msg))
         except (TransferError, OSError) as e:
             log.info("decode dp_rank %d: could not tell prefill about room %s: %s",
-                     self.dp_rank, msg.get("room"), e, extra={"room": msg.get("room")})
+                     self.dp_rank, msg.room, e, extra={"room": msg.room})
 
     def holds(self, room: int) -> bool:
         """Room `room` was reported but its pages stay held until released() names it."""
