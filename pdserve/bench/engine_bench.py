@@ -17,12 +17,13 @@ import torch
 
 
 def _engine(model_dir: str, dtype: str, threads: int, max_running: int, cpu_kernels: str = "auto",
-            device: str = "cpu"):
+            device: str = "cpu", cpu_matmul: str = "auto"):
     from ..core.config import ServerConfig
     from ..worker.setup import build_engine
 
     cfg = ServerConfig(model=model_dir, dtype=dtype, num_threads=threads, max_total_tokens=65536,
-                       max_running_requests=max_running, cpu_kernels=cpu_kernels, device=device)
+                       max_running_requests=max_running, cpu_kernels=cpu_kernels, device=device,
+                       cpu_matmul=cpu_matmul)
     engine, mcfg, _ = build_engine(cfg, model_dir)
     return engine
 
@@ -87,6 +88,9 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cpu-kernels", default="auto", choices=["auto", "torch"],
                    help="our C kernels (attention, norms, RoPE) where they apply, or torch")
+    p.add_argument("--cpu-matmul", default="auto",
+                   choices=["auto", "torch", "onednn", "panel", "float32", "onednn_gemv"],
+                   help="force our engine's matmul path, as the server's flag (auto: calibrated)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="torch device of both engines (ours and HF's)")
     a = p.parse_args(argv)
@@ -101,7 +105,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(threads)
     model_dir = resolve_model(a.model, Envs.read().cache_dir)
     dtype = getattr(torch, a.dtype)
-    engine = _engine(model_dir, a.dtype, threads, max(a.concurrency, 1), a.cpu_kernels, a.device)
+    engine = _engine(model_dir, a.dtype, threads, max(a.concurrency, 1), a.cpu_kernels, a.device, a.cpu_matmul)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
     hf = hf.to(a.device).eval()
     g = torch.Generator().manual_seed(0)
