@@ -22,8 +22,7 @@ from typing import Union
 
 from ..transfer.base import Endpoint
 from . import wire
-from .handoff import HandoffDone
-from .machine_events import Event
+from .handoff import Event, HandoffDone
 from .resolution import Resolved
 
 

@@ -1,6 +1,6 @@
 """The decode side of the handoff as a pure machine: `DecodeHandoffs.step(event) -> effects`.
 
-No threads, no I/O, no clock (machine_events): kv_receiver.DecodeReceiver is the driver that
+No threads, no I/O, no clock (handoff): kv_receiver.DecodeReceiver is the driver that
 feeds it from the worker loop and carries out its effects; tests step it by hand
 (test_decode_machine.py). Its parts, one job each: decode_events (the events and effects),
 decode_rooms (a room's states, the transition table and what each move means),
@@ -48,9 +48,8 @@ from .decode_events import (
 )
 from .decode_messages import kv_abort, kv_req, room_report
 from .decode_rooms import DecodeRoom, DecodeState
-from .handoff import HandoffDone, write_stages
+from .handoff import HandoffDone, HandoffMachine, Tick, write_stages
 from .local_facts import LocalFacts
-from .machine_events import HandoffMachine, Tick
 
 if TYPE_CHECKING:
     from .resolution import Resolved

@@ -1,5 +1,14 @@
-"""Per-request handoff state on each side of a PD transfer, as an enum with transition tables.
+"""What both handoff machines share: the Event base and its clocks, Tick, the one way a machine
+dispatches an event (a table from event type to handler), and the reporting view of a room:
+its handoff state per side with their transition tables, HandoffDone (what a finished room
+tells its role) and a page write's meta_info and stages.
 
+A machine is pure: `step(event) -> effects`, no threads, no I/O, no clock. Every event carries
+the times it happened at, so one sequence of events always gives the same effects; tests step
+the machines by hand, the drivers (kv_sender, kv_receiver) feed them from the worker loop. (The
+one clock here is the default of a standalone Handoff; a machine's rooms pass their times in.)
+
+Handoff states, as reported:
 Prefill: Bootstrapping -> WaitingForInput (the decode's destination metadata arrived)
          -> Transferring (writing KV pages, then aux) -> Success.
 Decode:  Bootstrapping (resolving the prefill rank and topology, preallocating pages, sending
@@ -18,12 +27,50 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, ClassVar, Generic, Mapping, TypeVar
 
 from ..core.timeline import Stage
 from ..transfer.base import WriteResult
 
+# ---- what both machines share: events and their dispatch ------------------------------------
+Effect = TypeVar("Effect")  # what one side's machine asks its driver to do
 
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """Something that happened, and when: `now` (time.monotonic()) for deadlines and a room's
+    state times, `wall` (time.time()) for the stage stamps a room reports."""
+
+    now: float = 0.0
+    wall: float = 0.0
+
+
+@dataclass(frozen=True)
+class Tick(Event):
+    """Time passed: deadlines, retries, reports of finished rooms."""
+
+
+# (machine, event, effects out): a handler appends the step's effects to the list it is given
+Handler = Callable[[Any, Any, list[Any]], None]
+
+
+class HandoffMachine(Generic[Effect]):
+    """`step` finds the handler of the event's exact type in the class's HANDLERS table and
+    returns the effects it appended; an event the table lacks raises TypeError."""
+
+    SIDE: ClassVar[str]  # "prefill" or "decode", for messages
+    HANDLERS: ClassVar[Mapping[type[Event], Handler]]
+
+    def step(self, ev: Event) -> list[Effect]:
+        handler = self.HANDLERS.get(type(ev))
+        if handler is None:
+            raise TypeError(f"not a {self.SIDE} handoff event: {ev!r}")
+        out: list[Effect] = []
+        handler(self, ev, out)
+        return out
+
+
+# ---- the reporting view: handoff states per side ----------------------------------------------
 class HandoffState(str, enum.Enum):
     BOOTSTRAPPING = "bootstrapping"
     WAITING_FOR_INPUT = "waiting_for_input"

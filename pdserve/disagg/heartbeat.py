@@ -16,7 +16,7 @@ import threading
 from typing import Callable
 
 from .decode_events import PeerAlive, PeerGone
-from .machine_events import Event
+from .handoff import Event
 from .prefill_peers import PrefillPeers
 
 log = logging.getLogger(__name__)

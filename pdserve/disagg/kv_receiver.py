@@ -59,10 +59,9 @@ from .decode_events import (
 )
 from .decode_machine import DecodeHandoffs
 from .decode_rooms import DecodeRoom, DecodeState
-from .handoff import HandoffDone
+from .handoff import Event, HandoffDone, Tick
 from .link_api import LINK_EFFECTS, Inbox, PeerLink
 from .local_facts import LocalFacts
-from .machine_events import Event, Tick
 from .resolution import Resolved
 
 log = logging.getLogger(__name__)

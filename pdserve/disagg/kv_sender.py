@@ -30,9 +30,8 @@ from ..core.failures import FailureCause
 from ..core.log_format import fields
 from ..transfer.base import Endpoint, TransferBackend, TransferError, WriteResult, peer_name
 from . import wire
-from .handoff import HandoffDone
+from .handoff import Event, HandoffDone, Tick
 from .local_facts import LocalFacts
-from .machine_events import Event, Tick
 from .prefill_events import (
     Drop,
     Fail,

@@ -17,7 +17,7 @@ from collections import Counter
 from typing import Callable, Union
 
 from .decode_events import CancelResolve, GiveUp, Invalidate, Resolve
-from .machine_events import Event
+from .handoff import Event
 
 LinkEffect = Union[Resolve, CancelResolve, Invalidate, GiveUp]
 LINK_EFFECTS = (Resolve, CancelResolve, Invalidate, GiveUp)  # the effects a receiver hands its link

@@ -25,8 +25,7 @@ from ..core.kv_layout import KVLayout
 from ..core.logprobs import TopLogprobs
 from ..transfer.base import Endpoint, WriteResult
 from . import wire
-from .handoff import HandoffDone
-from .machine_events import Event
+from .handoff import Event, HandoffDone
 
 
 # ---- events -----------------------------------------------------------------------------------

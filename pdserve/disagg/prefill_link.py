@@ -24,9 +24,9 @@ from ..core.errors import PDServeError
 from ..core.pd_settings import PDSettings
 from .bootstrap_client import BootstrapClient
 from .decode_events import CancelResolve, GiveUp, Invalidate, RankResolved, Resolve
+from .handoff import Event
 from .heartbeat import Heartbeat
 from .link_api import Inbox, LinkEffect, PeerLink
-from .machine_events import Event
 from .prefill_peers import PrefillPeer, PrefillPeers
 from .rank_resolver import RankResolver
 from .resolution import Resolved

@@ -1,6 +1,6 @@
 """The prefill side of the handoff as a pure machine: `PrefillHandoffs.step(event) -> effects`.
 
-No threads, no I/O, no clock (machine_events): kv_sender.PrefillSender is the driver that feeds
+No threads, no I/O, no clock (handoff): kv_sender.PrefillSender is the driver that feeds
 it from the worker loop and carries out its effects; tests step it by hand
 (test_prefill_machine.py). Its parts, one job each: prefill_events (the events and effects),
 prefill_rooms (a room's states, the transition table and what each move means), prefill_notes
@@ -25,9 +25,8 @@ from ..core.failures import FailureCause, rejection_cause
 from ..core.timeline import Stage
 from ..transfer.base import Endpoint, peer_name
 from . import wire
-from .handoff import HandoffDone, HandoffState, IllegalTransition
+from .handoff import Event, HandoffDone, HandoffMachine, HandoffState, IllegalTransition, Tick
 from .local_facts import LocalFacts
-from .machine_events import Event, HandoffMachine, Tick
 from .prefill_checks import kv_req_problem, prompt_problem
 from .prefill_events import (
     Drop,

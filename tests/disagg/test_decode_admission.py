@@ -24,8 +24,8 @@ from pdserve.disagg.decode_events import (
 )
 from pdserve.disagg.decode_machine import DecodeHandoffs
 from pdserve.disagg.decode_rooms import DecodeState
+from pdserve.disagg.handoff import Tick
 from pdserve.disagg.local_facts import LocalFacts
-from pdserve.disagg.machine_events import Tick
 from pdserve.disagg.resolution import Resolved
 
 D = DecodeState

@@ -35,9 +35,8 @@ from pdserve.disagg.decode_events import (
 )
 from pdserve.disagg.decode_machine import DecodeHandoffs
 from pdserve.disagg.decode_rooms import DECODE_TRANSITIONS, DecodeState
-from pdserve.disagg.handoff import TRANSITIONS, HandoffDone, HandoffState, IllegalTransition, Side
+from pdserve.disagg.handoff import TRANSITIONS, HandoffDone, HandoffState, IllegalTransition, Side, Tick
 from pdserve.disagg.local_facts import LocalFacts
-from pdserve.disagg.machine_events import Tick
 from pdserve.disagg.resolution import Resolved
 from pdserve.transfer.base import WriteResult
 

@@ -14,9 +14,8 @@ from pdserve.core.kv_layout import KVLayout
 from pdserve.core.page_keys import prefix_key
 from pdserve.disagg import wire
 from pdserve.disagg.handoff import TRANSITIONS as HANDOFF_TRANSITIONS
-from pdserve.disagg.handoff import HandoffDone, HandoffState, IllegalTransition, Side
+from pdserve.disagg.handoff import HandoffDone, HandoffState, IllegalTransition, Side, Tick
 from pdserve.disagg.local_facts import LocalFacts
-from pdserve.disagg.machine_events import Tick
 from pdserve.disagg.prefill_events import (
     Drop,
     Fail,

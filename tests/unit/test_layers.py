@@ -73,7 +73,7 @@ def test_no_torch_at_runtime(module):
     assert out.stdout.strip() == "False", f"{module} loads torch"
 
 
-# ---- the handoff machines are pure (disagg/machine_events.py): no threads, sockets, HTTP, clocks
+# ---- the handoff machines are pure (disagg/handoff.py): no threads, sockets, HTTP, clocks
 MACHINE_FORBIDDEN = {"threading", "socket", "httpx", "time", "asyncio", "zmq", "requests"}
 # names of that list that a module a machine imports may still import, and why
 MACHINE_ALLOWED = {
@@ -134,7 +134,7 @@ def machine_modules() -> dict[str, list[str]]:
 def test_machines_and_their_parts_import_no_threads_sockets_http_or_clocks():
     chains = machine_modules()
     assert {"pdserve.disagg.decode_machine", "pdserve.disagg.prefill_machine",
-            "pdserve.disagg.machine_events", "pdserve.disagg.decode_events"} <= set(chains)
+            "pdserve.disagg.handoff", "pdserve.disagg.decode_events"} <= set(chains)
     bad = []
     for mod, chain in sorted(chains.items()):
         for name in runtime_imports(module_file(mod)):
