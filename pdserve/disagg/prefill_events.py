@@ -1,5 +1,6 @@
-"""The prefill machine's events (what happened) and effects (what its driver must do). Plain
-data; the rules are in prefill_machine.
+"""The prefill machine's events (what happened) and effects (what its driver must do), and what
+it says about one room: the KvDone and KvFail its decode gets and the HandoffDone its caller gets
+when it is over. Plain data and the functions that build it; the rules are in prefill_machine.
 
 Events:  PrefillAccept (the prefill request), PrefillDone (pages + the engine's PrefillFacts),
          FromDecode (a typed wire message: KvReq / KvAbort), Malformed (one that did not parse),
@@ -10,13 +11,15 @@ Events:  PrefillAccept (the prefill request), PrefillDone (pages + the engine's 
 Effects: Send (a message to a peer; optionally one more on success / on failure), StartWrite
          (write pages to the decode, then send its KvDone), PrefillReport (a finished room:
          HandoffDone).
+Messages: kv_done, kv_fail (to the decode), room_report with room_meta (to the caller: each
+         handoff state's time, ranks, forwarding, the transfer's bytes and rate, failure cause).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Union, cast
+from typing import Any, Union, cast
 
 import msgspec
 
@@ -25,7 +28,8 @@ from ..core.kv_layout import KVLayout
 from ..core.logprobs import TopLogprobs
 from ..transfer.base import Endpoint, WriteResult
 from . import wire
-from .handoff import Event, HandoffDone
+from .handoff import Event, HandoffDone, HandoffState, write_meta, write_stages
+from .prefill_rooms import PrefillRoom, RoomState
 
 
 # ---- events -----------------------------------------------------------------------------------
@@ -152,3 +156,40 @@ class PrefillReport:
 
 
 PrefillEffect = Union[Send, StartWrite, PrefillReport]
+
+
+# ---- what a room says: to its decode, and to its caller once over ----------------------------
+H, R = HandoffState, RoomState
+
+
+def kv_done(r: PrefillRoom, dp_rank: int) -> wire.KvDone:
+    """The KvDone that follows `r`'s pages, carrying its PrefillFacts (the write job adds its
+    WriteResult); TypeError (msgspec's, naming the field) when the engine sampled no first token."""
+    facts = {f.name: getattr(r.aux, f.name) for f in dataclasses.fields(PrefillFacts)} if r.aux else {}
+    return wire.KvDone(room=r.room, prefill_rank=dp_rank, **{k: v for k, v in facts.items() if v is not None})
+
+
+def kv_fail(room: int, dp_rank: int, reason: str, cause: FailureCause) -> wire.KvFail:
+    return wire.KvFail(room=room, prefill_rank=dp_rank, reason=reason, cause=cause.value)
+
+
+def room_report(r: PrefillRoom, dp_rank: int) -> HandoffDone[PrefillFacts]:
+    """`r` as its caller hears it: ok (SUCCESS) or not, reason, aux, meta, stages, dropped."""
+    return HandoffDone(r.room, r.rid, r.state is R.SUCCESS, r.reason, r.aux, room_meta(r, dp_rank),
+                       {**r.stages, **write_stages(r.write)}, r.state.dropped)
+
+
+def room_meta(r: PrefillRoom, dp_rank: int) -> dict[str, Any]:
+    d: dict[str, Any] = {f"prefill_{k}_s": v for k, v in r.handoff.durations().items()}  # as Handoff reports them
+    d.update({"bootstrap_room": r.room, "prefill_dp_rank": dp_rank})
+    if r.req is not None:
+        d["decode_dp_rank"] = r.req.decode_rank
+        if r.req.forwarded_by is not None:
+            d["kv_req_forwarded_by"] = r.req.forwarded_by
+    if r.state.dropped:
+        d["disaggregation"] = "dropped"  # the decode prefilled it
+    elif r.state.handoff is H.FAILED:
+        d["failure_cause"] = r.cause.value
+    if r.write is not None:
+        d.update(write_meta(r.write))
+    return d

@@ -2,10 +2,10 @@
 
 No threads, no I/O, no clock (handoff): kv_sender.PrefillSender is the driver that feeds
 it from the worker loop and carries out its effects; tests step it by hand
-(test_prefill_machine.py). Its parts, one job each: prefill_events (the events and effects),
-prefill_rooms (a room's states, the transition table and what each move means), prefill_notes
-(what this rank remembers about rooms it has no request for, and what a KvReq must pass),
-prefill_messages (what a room tells its decode and, once over, its caller).
+(test_prefill_machine.py). Its parts, one job each: prefill_events (the events and effects, and
+what a room tells its decode and, once over, its caller), prefill_rooms (a room's states, the
+transition table and what each move means), prefill_notes (what this rank remembers about rooms
+it has no request for, and what a KvReq must pass).
 
 A KvReq for a room whose request is not here yet waits as an early note; one for a room homed
 here that the front sent to another rank is forwarded there (the decode hears KvMoved), and a
@@ -42,8 +42,10 @@ from .prefill_events import (
     Send,
     StartWrite,
     WriteReturned,
+    kv_done,
+    kv_fail,
+    room_report,
 )
-from .prefill_messages import kv_done, kv_fail, room_report
 from .prefill_notes import Doomed, Dropped, Early, Forwarded, RoomNotes, Route, kv_req_problem, prompt_problem
 from .prefill_rooms import PrefillRoom, RoomState
 

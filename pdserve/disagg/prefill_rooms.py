@@ -30,12 +30,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..core.failures import FailureCause
 from ..transfer.base import Endpoint, WriteResult
 from . import wire
 from .handoff import Handoff, HandoffState, IllegalTransition, Side
-from .prefill_events import PrefillFacts
+
+if TYPE_CHECKING:  # only named in an annotation: prefill_events builds its messages from rooms
+    from .prefill_events import PrefillFacts
 
 H = HandoffState
 
