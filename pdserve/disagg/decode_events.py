@@ -1,5 +1,7 @@
 """The decode machine's events (what happened) and effects (what its driver must do), and the
-Reservation that answers a request for pages. Plain data; the rules are in decode_machine.
+answers its two requests get: Resolved (which prefill DP rank holds a room, and where it
+listens) and Reservation (pages). Plain data; the rules are in decode_machine, and the threads
+and HTTP that find a Resolved are rank_resolver's, which this module does not import.
 
 Events:  DecodeAccept (a PD request: room, prefill address, hint), RankResolved (the resolver's
          Resolved: rank + endpoint, or an error), PagesReserved (the answer to a Reserve: pages,
@@ -18,12 +20,33 @@ Effects: Resolve / CancelResolve (the rank resolver), Reserve (ask for pages: a 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
+from ..core.failures import FailureCause
 from ..transfer.base import Endpoint
 from . import wire
 from .handoff import Event, HandoffDone
-from .resolution import Resolved
+
+if TYPE_CHECKING:  # only named in an annotation: the table module holds locks and clocks
+    from .bootstrap_table import RankInfo
+
+
+# ---- the answers to a Resolve and a Reserve ---------------------------------------------------
+@dataclass
+class Resolved:
+    """A room's prefill rank and that rank's registration, or why they could not be found."""
+
+    room: int
+    addr: str
+    rank: int | None = None
+    path: str = ""
+    info: RankInfo | None = None
+    instance_id: str = ""
+    error: str | None = None
+    seconds: float = 0.0
+    cause: FailureCause = FailureCause.RESOLVE  # why it failed, when `error` is set
+    topology_at: float = 0.0  # time.time() when the topology was in hand
+    resolved_at: float = 0.0  # time.time() when the rank and its endpoint were known
 
 
 @dataclass(frozen=True)

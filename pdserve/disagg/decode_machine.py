@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from ..core.failures import FailureCause
 from ..core.timeline import Stage
@@ -43,6 +43,7 @@ from .decode_events import (
     RankResolved,
     Release,
     Resolve,
+    Resolved,
     SendAbort,
     SendKvReq,
 )
@@ -50,9 +51,6 @@ from .decode_messages import kv_abort, kv_req, room_report
 from .decode_rooms import DecodeRoom, DecodeState
 from .handoff import HandoffDone, HandoffMachine, Tick, write_stages
 from .local_facts import LocalFacts
-
-if TYPE_CHECKING:
-    from .resolution import Resolved
 
 D = DecodeState
 
@@ -134,7 +132,7 @@ class DecodeHandoffs(HandoffMachine[DecodeEffect]):
             # when it was issued; the send job's KvReqSent refines it, unless kv_done and the report beat it
             r.stages[Stage.METADATA_SENT.value] = ev.wall
             r.move(D.SENDING, ev.now)
-            out.append(SendKvReq(r.room, cast("Resolved", r.resolved), kv_req(r, self.dp_rank, self.local)))
+            out.append(SendKvReq(r.room, cast(Resolved, r.resolved), kv_req(r, self.dp_rank, self.local)))
         else:  # no pages: it waits, and so does every room behind it, this round
             for q in [r, *self.admission.stop_round()]:
                 why = self.admission.verdict(q, ev.now) if q.state is D.RESERVING else None

@@ -58,9 +58,8 @@ from dataclasses import dataclass, field
 
 from ..core.failures import FailureCause
 from ..transfer.base import Endpoint
-from .decode_events import Reservation
+from .decode_events import Reservation, Resolved
 from .handoff import Handoff, HandoffState, IllegalTransition, Side
-from .resolution import Resolved
 from .wire import KvDone
 
 H = HandoffState

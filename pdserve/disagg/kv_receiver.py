@@ -54,6 +54,7 @@ from .decode_events import (
     Release,
     Reservation,
     Reserve,
+    Resolved,
     SendAbort,
     SendKvReq,
 )
@@ -62,7 +63,6 @@ from .decode_rooms import DecodeRoom, DecodeState
 from .handoff import Event, HandoffDone, Tick
 from .link_api import LINK_EFFECTS, Inbox, PeerLink
 from .local_facts import LocalFacts
-from .resolution import Resolved
 
 log = logging.getLogger(__name__)
 

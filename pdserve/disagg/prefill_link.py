@@ -23,13 +23,12 @@ from typing import Callable
 from ..core.errors import PDServeError
 from ..core.pd_settings import PDSettings
 from .bootstrap_client import BootstrapClient
-from .decode_events import CancelResolve, GiveUp, Invalidate, RankResolved, Resolve
+from .decode_events import CancelResolve, GiveUp, Invalidate, RankResolved, Resolve, Resolved
 from .handoff import Event
 from .heartbeat import Heartbeat
 from .link_api import Inbox, LinkEffect, PeerLink
 from .prefill_peers import PrefillPeer, PrefillPeers
 from .rank_resolver import RankResolver
-from .resolution import Resolved
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, cast
 
 from ..core.failures import FailureCause
+from .decode_events import Resolved
 from .dp_rules import resolve_prefill_rank
 from .prefill_peers import PrefillPeers
 from .query_batcher import QueryBatcher
-from .resolution import Resolved
 
 
 class RankResolver:

@@ -19,6 +19,7 @@ from pdserve.disagg.decode_events import (
     Reservation,
     Reserve,
     Resolve,
+    Resolved,
     SendAbort,
     SendKvReq,
 )
@@ -26,7 +27,6 @@ from pdserve.disagg.decode_machine import DecodeHandoffs
 from pdserve.disagg.decode_rooms import DecodeState
 from pdserve.disagg.handoff import Tick
 from pdserve.disagg.local_facts import LocalFacts
-from pdserve.disagg.resolution import Resolved
 
 D = DecodeState
 ADDR = "10.0.0.1:8998"

@@ -30,6 +30,7 @@ from pdserve.disagg.decode_events import (
     Reservation,
     Reserve,
     Resolve,
+    Resolved,
     SendAbort,
     SendKvReq,
 )
@@ -37,7 +38,6 @@ from pdserve.disagg.decode_machine import DecodeHandoffs
 from pdserve.disagg.decode_rooms import DECODE_TRANSITIONS, DecodeState
 from pdserve.disagg.handoff import TRANSITIONS, HandoffDone, HandoffState, IllegalTransition, Side, Tick
 from pdserve.disagg.local_facts import LocalFacts
-from pdserve.disagg.resolution import Resolved
 from pdserve.transfer.base import WriteResult
 
 D, H = DecodeState, HandoffState

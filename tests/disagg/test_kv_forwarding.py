@@ -15,11 +15,11 @@ import pytest
 from pdserve.core.failures import FailureCause
 from pdserve.disagg import wire
 from pdserve.disagg.bootstrap_table import RankInfo
+from pdserve.disagg.decode_events import Resolved
 from pdserve.disagg.handoff import HandoffState
 from pdserve.disagg.kv_receiver import DecodeReceiver, ReceiverLimits
 from pdserve.disagg.kv_sender import PrefillSender
 from pdserve.disagg.local_facts import LocalFacts
-from pdserve.disagg.resolution import Resolved
 from pdserve.transfer.fake import FakeBackend, FakeFabric
 from tests.harness.handoff_harness import (
     AUX,

@@ -15,12 +15,11 @@ from pdserve.disagg import wire
 from pdserve.disagg.bootstrap_client import BootstrapClient, BootstrapError, Health
 from pdserve.disagg.bootstrap_server import ThreadedBootstrap
 from pdserve.disagg.bootstrap_table import BootstrapTable, RankInfo
-from pdserve.disagg.decode_events import PeerAlive, PeerGone
+from pdserve.disagg.decode_events import PeerAlive, PeerGone, Resolved
 from pdserve.disagg.decode_rooms import DecodeState
 from pdserve.disagg.handoff import HandoffState
 from pdserve.disagg.heartbeat import Heartbeat
 from pdserve.disagg.prefill_peers import PrefillPeers
-from pdserve.disagg.resolution import Resolved
 from pdserve.transfer.tcp import TcpBackend
 from tests.harness.handoff_harness import (
     ADDR,

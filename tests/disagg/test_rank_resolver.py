@@ -17,11 +17,11 @@ from pdserve.core.pd_vocab import MAX_QUERY_ROOMS
 from pdserve.disagg.bootstrap_client import BootstrapClient, BootstrapError
 from pdserve.disagg.bootstrap_server import ThreadedBootstrap
 from pdserve.disagg.bootstrap_table import BootstrapTable, RankInfo
+from pdserve.disagg.decode_events import Resolved
 from pdserve.disagg.dp_rules import conflict_message
 from pdserve.disagg.prefill_peers import PrefillPeers
 from pdserve.disagg.query_batcher import QueryBatcher
 from pdserve.disagg.rank_resolver import RankResolver
-from pdserve.disagg.resolution import Resolved
 from tests.harness.handoff_harness import WAIT_S
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_stray_threads")]

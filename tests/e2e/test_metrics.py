@@ -26,12 +26,11 @@ from pdserve.core.launcher import ProcessGroup, http_ok  # noqa: E402
 from pdserve.core.messages import ErrorInfo, TokenOutput, WorkerStats  # noqa: E402
 from pdserve.core.sampling import SamplingParams  # noqa: E402
 from pdserve.disagg.bootstrap_table import RankInfo  # noqa: E402
-from pdserve.disagg.decode_events import RankResolved  # noqa: E402
+from pdserve.disagg.decode_events import RankResolved, Resolved  # noqa: E402
 from pdserve.disagg.kv_receiver import DecodeReceiver, ReceiverLimits  # noqa: E402
 from pdserve.disagg.kv_sender import PrefillSender  # noqa: E402
 from pdserve.disagg.local_facts import LocalFacts  # noqa: E402
 from pdserve.disagg.prefill_events import PrefillFacts  # noqa: E402
-from pdserve.disagg.resolution import Resolved  # noqa: E402
 from pdserve.router.metrics import RouterMetrics  # noqa: E402
 from pdserve.server.metrics import FrontMetrics  # noqa: E402
 from pdserve.server.protocol import RequestItem  # noqa: E402

@@ -17,14 +17,22 @@ import numpy as np
 from pdserve.core.kv_layout import KVLayout
 from pdserve.disagg import wire
 from pdserve.disagg.bootstrap_table import RankInfo
-from pdserve.disagg.decode_events import CancelResolve, GiveUp, Invalidate, PeerAlive, PeerGone, RankResolved, Resolve
+from pdserve.disagg.decode_events import (
+    CancelResolve,
+    GiveUp,
+    Invalidate,
+    PeerAlive,
+    PeerGone,
+    RankResolved,
+    Resolve,
+    Resolved,
+)
 from pdserve.disagg.handoff import HandoffState
 from pdserve.disagg.kv_receiver import DecodeReceiver, ReceiverLimits
 from pdserve.disagg.kv_sender import PrefillSender
 from pdserve.disagg.link_api import Inbox, LinkEffect, PeerLink
 from pdserve.disagg.local_facts import LocalFacts
 from pdserve.disagg.prefill_events import PrefillFacts
-from pdserve.disagg.resolution import Resolved
 from pdserve.transfer.fake import FakeBackend, FakeFabric
 
 S = HandoffState
