@@ -1,7 +1,9 @@
-"""The decode machine's events (what happened) and effects (what its driver must do), and the
+"""The decode machine's events (what happened) and effects (what its driver must do), the
 answers its two requests get: Resolved (which prefill DP rank holds a room, and where it
-listens) and Reservation (pages). Plain data; the rules are in decode_machine, and the threads
-and HTTP that find a Resolved are rank_resolver's, which this module does not import.
+listens) and Reservation (pages), and what it says about one room: the KvReq and KvAbort its
+prefill gets and the HandoffDone its caller gets when it is over. Plain data and the functions
+that build it; the rules are in decode_machine, and the threads and HTTP that find a Resolved
+are rank_resolver's, which this module does not import.
 
 Events:  DecodeAccept (a PD request: room, prefill address, hint), RankResolved (the resolver's
          Resolved: rank + endpoint, or an error), PagesReserved (the answer to a Reserve: pages,
@@ -15,17 +17,21 @@ Effects: Resolve / CancelResolve (the rank resolver), Reserve (ask for pages: a 
          effort), Invalidate (forget what is cached about an address), Log, DecodeReport (a
          finished room: HandoffDone; the caller frees or uses its pages now, unless `held`),
          Release (a room reported `held` left the machine: the caller frees its pages now).
+Messages: kv_req, kv_abort (to the prefill), room_report with room_meta (to the caller: ranks,
+         how long each part took, pages reused and moved, the transfer's rate, admission).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from ..core.failures import FailureCause
 from ..transfer.base import Endpoint
 from . import wire
-from .handoff import Event, HandoffDone
+from .decode_rooms import DecodeRoom, DecodeState
+from .handoff import Event, HandoffDone, HandoffState, write_meta
+from .local_facts import LocalFacts
 
 if TYPE_CHECKING:  # only named in an annotation: the table module holds locks and clocks
     from .bootstrap_table import RankInfo
@@ -217,3 +223,55 @@ class Release:
 
 DecodeEffect = Union[Resolve, CancelResolve, Reserve, SendKvReq, SendAbort, GiveUp, Invalidate, Log,
                      DecodeReport, Release]
+
+
+# ---- what a room says: to its prefill, and to its caller once over ----------------------------
+D, H = DecodeState, HandoffState
+
+
+def kv_req(r: DecodeRoom, dp_rank: int, local: LocalFacts) -> wire.KvReq:
+    """The request for `r`'s KV to its resolved prefill rank: where to write (the pages it
+    reserved, less those it reuses) and what this decode is (`local`)."""
+    res, got = r.resolved, r.reservation
+    assert res is not None and got is not None
+    return wire.KvReq(room=r.room, dst_pages=got.pages[got.reused_pages:], prompt_len=r.prompt_len,
+                      layout=local.layout, endpoint=local.endpoint, page_size=local.page_size,
+                      kv_dtype=local.kv_dtype, fingerprint=local.fingerprint, backend=local.backend,
+                      decode_rank=dp_rank, prefill_rank=res.rank, prefill_instance=res.instance_id,
+                      reused_pages=got.reused_pages, reused_key=got.reused_key)
+
+
+def kv_abort(r: DecodeRoom, dp_rank: int, local: LocalFacts) -> SendAbort:
+    """Tell `r`'s prefill rank the room is off, with the reason it failed."""
+    assert r.resolved is not None and r.resolved.info is not None
+    return SendAbort(r.room, r.resolved.info.peer(), wire.KvAbort(
+        room=r.room, reason=r.reason, decode_rank=dp_rank, endpoint=local.endpoint))
+
+
+def room_report(r: DecodeRoom, dp_rank: int, retry_after: int) -> HandoffDone[wire.KvDone]:
+    """`r` as its caller hears it: ok (DONE) or not, reason, its KvDone, meta, stages."""
+    return HandoffDone(r.room, r.rid, r.state is D.DONE, r.reason, r.aux, room_meta(r, dp_rank, retry_after),
+                       dict(r.stages))
+
+
+def room_meta(r: DecodeRoom, dp_rank: int, retry_after: int) -> dict[str, Any]:
+    """The meta_info of `r`; `retry_after` is what a refused room tells its client."""
+    h = r.handoff
+    d: dict[str, Any] = {"bootstrap_room": r.room, "decode_dp_rank": dp_rank}
+    if r.state in (D.FAILED, D.QUARANTINED):
+        d["failure_cause"] = r.cause.value
+    if r.refused:
+        d.update(admission="refused", admission_refused=r.refused, retry_after_s=retry_after)
+    if r.resolved is not None:
+        d.update(prefill_dp_rank=r.resolved.rank, dp_rank_path=r.resolved.path, resolve_s=r.resolved.seconds)
+        got = r.reservation
+        if got is not None:
+            d["prealloc_wait_s"] = r.entered[D.SENDING] - r.entered[D.RESERVING]
+            d["kv_reused_pages"] = got.reused_pages  # already on this decode: not moved
+            d["kv_transferred_pages"] = len(got.pages) - got.reused_pages
+    if H.WAITING_FOR_INPUT in h.entered:
+        d["bootstrap_s"] = h.entered[H.WAITING_FOR_INPUT] - h.created
+        d["waiting_s"] = h.entered[h.state] - h.entered[H.WAITING_FOR_INPUT]
+    if r.aux is not None and r.aux.write is not None:
+        d.update(write_meta(r.aux.write))
+    return d

@@ -2,11 +2,11 @@
 
 No threads, no I/O, no clock (handoff): kv_receiver.DecodeReceiver is the driver that
 feeds it from the worker loop and carries out its effects; tests step it by hand
-(test_decode_machine.py). Its parts, one job each: decode_events (the events and effects),
+(test_decode_machine.py). Its parts, one job each: decode_events (the events and effects, the
+answers to Resolve and Reserve, and what a room tells its prefill and, once over, its caller),
 decode_rooms (a room's states, the transition table and what each move means),
-decode_admission (the queue of rooms waiting for pages), decode_messages (what a room tells
-its prefill and, once over, its caller). The pages are the caller's: freed at a room's
-DecodeReport, or for a quarantined room at its Release.
+decode_admission (the queue of rooms waiting for pages). The pages are the caller's: freed at
+a room's DecodeReport, or for a quarantined room at its Release.
 
 A Tick checks every room that is not RESERVING: the deadline of a live room (`waiting_timeout`
 per handoff state: Bootstrapping = RESOLVING..SENDING, from the accept; WaitingForInput =
@@ -46,8 +46,10 @@ from .decode_events import (
     Resolved,
     SendAbort,
     SendKvReq,
+    kv_abort,
+    kv_req,
+    room_report,
 )
-from .decode_messages import kv_abort, kv_req, room_report
 from .decode_rooms import DecodeRoom, DecodeState
 from .handoff import HandoffDone, HandoffMachine, Tick, write_stages
 from .local_facts import LocalFacts

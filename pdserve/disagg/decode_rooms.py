@@ -55,12 +55,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..core.failures import FailureCause
 from ..transfer.base import Endpoint
-from .decode_events import Reservation, Resolved
 from .handoff import Handoff, HandoffState, IllegalTransition, Side
 from .wire import KvDone
+
+if TYPE_CHECKING:  # only named in annotations: decode_events builds its messages from rooms
+    from .decode_events import Reservation, Resolved
 
 H = HandoffState
 
