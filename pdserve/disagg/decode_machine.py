@@ -4,15 +4,15 @@ No threads, no I/O, no clock (handoff): kv_receiver.DecodeReceiver is the driver
 feeds it from the worker loop and carries out its effects; tests step it by hand
 (test_decode_machine.py). Its parts, one job each: decode_events (the events and effects, the
 answers to Resolve and Reserve, and what a room tells its prefill and, once over, its caller),
-decode_rooms (a room's states, the transition table and what each move means),
-decode_admission (the queue of rooms waiting for pages). The pages are the caller's: freed at
-a room's DecodeReport, or for a quarantined room at its Release.
+decode_rooms (a room's states, the transition table and what each move means, and the
+admission queue of rooms waiting for pages). The pages are the caller's: freed at a room's
+DecodeReport, or for a quarantined room at its Release.
 
 A Tick checks every room that is not RESERVING: the deadline of a live room (`waiting_timeout`
 per handoff state: Bootstrapping = RESOLVING..SENDING, from the accept; WaitingForInput =
 WAITING, from the send), the grace of an aborting one, the report or the deadline of a
 quarantined one, then the report (or Release) of a finished one. The RESERVING rooms are asked
-for pages in admission order (decode_admission), each finishing its tick after its answer.
+for pages in admission order (decode_rooms.Admission), each finishing its tick after its answer.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from typing import cast
 from ..core.failures import FailureCause
 from ..core.timeline import Stage
 from . import wire
-from .decode_admission import Admission, HandoffQueue
 from .decode_events import (
     Abort,
     CancelResolve,
@@ -42,6 +41,7 @@ from .decode_events import (
     PeerGone,
     RankResolved,
     Release,
+    Reserve,
     Resolve,
     Resolved,
     SendAbort,
@@ -50,7 +50,7 @@ from .decode_events import (
     kv_req,
     room_report,
 )
-from .decode_rooms import DecodeRoom, DecodeState
+from .decode_rooms import Admission, DecodeRoom, DecodeState, HandoffQueue
 from .handoff import HandoffDone, HandoffMachine, Tick, write_stages
 from .local_facts import LocalFacts
 
@@ -258,9 +258,9 @@ class DecodeHandoffs(HandoffMachine[DecodeEffect]):
 
     def _ask_next(self, out: list[DecodeEffect]) -> None:
         """Ask for pages for the next room of this tick's admission round, if any is left."""
-        ask = self.admission.ask_next()
-        if ask is not None:
-            out.append(ask)
+        r = self.admission.ask_next()
+        if r is not None:
+            out.append(Reserve(r.room, r.rid, r.prompt_len))
 
     def _refuse(self, r: DecodeRoom, why: str, now: float, out: list[DecodeEffect]) -> None:
         """Admission turns `r` away (back-pressure, not an error of the room). It holds no pages,

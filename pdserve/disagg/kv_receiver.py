@@ -40,7 +40,6 @@ from typing import Any, Callable
 from ..core.errors import PDServeError
 from ..transfer.base import Endpoint, TransferBackend, TransferError
 from . import wire
-from .decode_admission import HandoffQueue
 from .decode_events import (
     Abort,
     DecodeAccept,
@@ -59,7 +58,7 @@ from .decode_events import (
     SendKvReq,
 )
 from .decode_machine import DecodeHandoffs
-from .decode_rooms import DecodeRoom, DecodeState
+from .decode_rooms import DecodeRoom, DecodeState, HandoffQueue
 from .handoff import Event, HandoffDone, Tick
 from .link_api import LINK_EFFECTS, Inbox, PeerLink
 from .local_facts import LocalFacts

@@ -7,7 +7,7 @@ max_new_tokens still to come)` tokens beyond what it holds (SGLang's rule, cappe
 request's own budget so that short answers do not block admission). Free and cached pages both
 count as available: eviction frees cached ones on demand. So a burst of handoffs cannot take
 the pages the running batch needs to decode; a handoff that does not fit waits in the decode
-machine's admission queue (disagg/decode_admission.py) instead.
+machine's admission queue (disagg/decode_rooms.py) instead.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from ..core.errors import PDServeError
 from ..core.logprobs import PromptLogprobs
 from ..core.messages import GenerateReq, TokenOutput
 from ..disagg.bootstrap_client import bootstrap_addr
-from ..disagg.decode_admission import HandoffQueue
 from ..disagg.decode_events import Reservation
+from ..disagg.decode_rooms import HandoffQueue
 from ..disagg.kv_receiver import DecodeReceiver, ReceiverLimits
 from ..disagg.prefill_link import LinkSettings, PrefillLink
 from .admission import GenerationReserve, PoolArithmetic

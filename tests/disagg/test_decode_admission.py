@@ -8,7 +8,6 @@ import pytest
 
 from pdserve.core.kv_layout import KVLayout
 from pdserve.disagg.bootstrap_table import RankInfo
-from pdserve.disagg.decode_admission import HandoffQueue
 from pdserve.disagg.decode_events import (
     CancelResolve,
     DecodeAccept,
@@ -24,7 +23,7 @@ from pdserve.disagg.decode_events import (
     SendKvReq,
 )
 from pdserve.disagg.decode_machine import DecodeHandoffs
-from pdserve.disagg.decode_rooms import DecodeState
+from pdserve.disagg.decode_rooms import DecodeState, HandoffQueue
 from pdserve.disagg.handoff import Tick
 from pdserve.disagg.local_facts import LocalFacts
 
