@@ -1,5 +1,5 @@
 """What one PD worker is, as its peers must see it: transfer backend, KV layout and dtype, model
-fingerprint, endpoint. Built once when the worker's backend starts (worker/pd_common.py); the
+fingerprint, endpoint. Built once when the worker's backend starts (worker/role.py); the
 KvReq carries it to the prefill (decode_events.kv_req), which checks it against its own
 (`compat_problem`)."""
 

@@ -23,9 +23,8 @@ from ..disagg.kv_receiver import DecodeReceiver, ReceiverLimits
 from ..disagg.prefill_link import LinkSettings, PrefillLink
 from .admission import GenerationReserve, PoolArithmetic
 from .colocated import ColocatedRole
-from .pd_common import log_handoff, require_pd, start_backend
 from .pump import MessagePump
-from .role import WorkerRole, engine_request, error_output, to_token_output
+from .role import WorkerRole, engine_request, error_output, log_handoff, require_pd, start_backend, to_token_output
 
 TRANSFER_IO_TIMEOUT_S = 60.0  # the io_timeout of the built-in backends (tcp, nixl, mooncake's control path)
 

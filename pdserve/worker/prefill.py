@@ -17,9 +17,8 @@ from ..disagg.prefill_events import PrefillFacts
 from ..engine.sequence import StepOutput
 from ..transfer.base import Endpoint
 from .colocated import ColocatedRole
-from .pd_common import log_handoff, require_pd, start_backend
 from .pump import MessagePump
-from .role import WorkerRole, engine_request, error_output, to_token_output
+from .role import WorkerRole, engine_request, error_output, log_handoff, require_pd, start_backend, to_token_output
 
 REGISTER_DEADLINE_S = 120.0
 class PrefillRole(WorkerRole):

@@ -30,7 +30,7 @@ from pdserve.disagg.decode_events import PeerGone
 from pdserve.engine import sequence as engine_sequence
 from pdserve.engine.allocator import PageAllocator
 from pdserve.transfer.fake import FakeFabric
-from pdserve.worker import pd_common
+from pdserve.worker import role as worker_role
 from pdserve.worker.decode import DecodeRole
 from pdserve.worker.prefill import PrefillRole
 from pdserve.worker.role import RoleContext, WorkerRole
@@ -124,7 +124,7 @@ class PD:
             assert name == "fake", name
             return Backend
 
-        monkeypatch.setattr(pd_common, "backend_class", backend_class)
+        monkeypatch.setattr(worker_role, "backend_class", backend_class)
 
     def start(self, *, envs: Envs = ENVS, prefill_pages: int = 16, decode_pages: int = 16) -> "PD":
         self.boot = ThreadedBootstrap(BootstrapTable(dp_size=1))
