@@ -1,5 +1,5 @@
 """What the reliability suites share: servers with fault knobs, a router process, clients that
-keep legs in flight, /proc probes (worker pids, fds, threads, RSS), and the predicates that say
+keep legs in flight, worker pids (procs.py has the other /proc probes), and the predicates that say
 a request is in its prefill, transfer or decode window (read from server_info).
 
 Every process starts in its own process group (core/launcher.py) on free 127.0.0.1 ports and is
@@ -22,6 +22,7 @@ from pdserve.core.launcher import ProcessGroup, http_ok
 from pdserve.disagg.handoff import HandoffState
 
 from .cluster import ROOT, Server, free_port
+from .procs import children
 from .tiny_model import make_tiny_model
 
 
@@ -48,43 +49,6 @@ def wait_for(cond, timeout: float, what: str, detail=lambda: "") -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{detail()}")
         time.sleep(0.05)
-
-
-# ---- /proc probes ---------------------------------------------------------------------------
-def children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
-
-
-def fd_count(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def _status(pid: int, key: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
-def thread_count(pid: int) -> int:
-    return _status(pid, "Threads")
-
-
-def rss_kb(pid: int) -> int:
-    return _status(pid, "VmRSS")
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 # ---- servers --------------------------------------------------------------------------------
