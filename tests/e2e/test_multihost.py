@@ -39,7 +39,6 @@ from tests.harness.cluster import (  # noqa: E402
 )
 from tests.harness.fault_tools import (  # noqa: E402
     KnobServer,
-    Legs,
     error_of,
     flush_cache,
     prefilling,
@@ -182,13 +181,6 @@ def routers(servers, hosts, logs):
 def reference(servers):
     """The colocated server's greedy answers, by prompt."""
     return {p: generate(servers.col.url, p) for p in [*PROMPTS, LONG]}
-
-
-@pytest.fixture(scope="module")
-def legs():
-    pool = Legs()
-    yield pool
-    pool.close()
 
 
 def generate(url: str, text: str, timeout: float = LEG_TIMEOUT) -> list[int]:
