@@ -37,6 +37,16 @@ def link(request) -> Link:
     return lk
 
 
+@pytest.fixture(scope="module")
+def legs():
+    """Requests kept in flight on background threads (fault_tools.Legs), one pool per module."""
+    from tests.harness.fault_tools import Legs
+
+    pool = Legs()
+    yield pool
+    pool.close()
+
+
 BORROWERS = pytest.StashKey()
 
 

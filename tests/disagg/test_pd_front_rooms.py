@@ -11,38 +11,14 @@ import pytest
 
 from pdserve.core.config import Role, ServerConfig
 from pdserve.core.errors import BadRequest, Overloaded
-from pdserve.core.messages import PDParams, RoomFailedNotice, TokenOutput
+from pdserve.core.messages import PDParams, RoomFailedNotice
 from pdserve.core.sampling import SamplingParams
-from pdserve.server.front import Generator, Limits
+from pdserve.server.front import Limits
 from pdserve.server.metrics import FrontMetrics
 from pdserve.server.pd_roles import DecodeFrontRole, PrefillFrontRole
 from pdserve.server.protocol import RequestItem
-from pdserve.server.roles import DPDispatcher, RoleContext
-
-
-class Pool:
-    """Stands in for WorkerPool: records what would be sent."""
-
-    def __init__(self):
-        self.sent: list[tuple[int, str, int]] = []  # (rank, rid, room)
-        self.sinks: dict[str, asyncio.Queue] = {}
-
-    def check_free(self, rids):
-        pass
-
-    def submit(self, rank, req, sink):
-        self.sent.append((rank, req.rid, req.pd.bootstrap_room))
-        self.sinks[req.rid] = sink
-
-    def abort(self, rid, reason):
-        pass
-
-
-class Tok:
-    """Decodes ids as their numbers: enough for the request path's detokenizer."""
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
+from pdserve.server.roles import RoleContext
+from tests.harness.front_fakes import finish, generator
 
 
 def prefill(dp=2, method="follow_bootstrap_room", force=False):
@@ -50,10 +26,8 @@ def prefill(dp=2, method="follow_bootstrap_room", force=False):
                                          force_query_prefill_dp_rank=force))
     notices: list[tuple[int, RoomFailedNotice]] = []
     asyncio.run(role.start(RoleContext([], lambda rank, msg: notices.append((rank, msg)) or True)))
-    pool = Pool()
-    gen = Generator(pool, DPDispatcher(dp, role.lb_method()), role, tokenizer=Tok(),  # type: ignore[arg-type]
-                    limits=Limits(64, 100), metrics=FrontMetrics("prefill"))
-    return gen, role, pool, notices
+    gen = generator(role, dp, Limits(64, 100), FrontMetrics("prefill"))
+    return gen, role, gen.pool, notices
 
 
 def item(rid: str, room: int, routed: int | None = None, hint: int | None = None, k: int = 0) -> RequestItem:
@@ -63,18 +37,6 @@ def item(rid: str, room: int, routed: int | None = None, hint: int | None = None
 
 def failed_rooms(notices) -> dict[int, str]:
     return {msg.room: msg.reason for _, msg in notices}
-
-
-def finish(gen: Generator, active, pool: Pool, rid: str, error=None) -> None:
-    """Feed one finished output for `rid` and run the request's event loop to its end."""
-    pool.sinks[rid].put_nowait(TokenOutput(rid, [9], finished=True, error=error,
-                                           finish_reason={"type": "length"}))
-
-    async def drain():
-        async for _ in active.events():
-            pass
-    asyncio.run(drain())
-    active.close()
 
 
 def test_one_batch_with_a_room_twice_is_refused_whole():
@@ -120,9 +82,9 @@ def test_a_successful_room_is_forgotten_a_failed_one_remembered():
     gen, role, pool, _ = prefill()
     ok, bad = gen.start([item("a", 7)]), gen.start([item("b", 8)])
     assert role.table.lookup([7, 8])[0] == {7: 1, 8: 0}
-    finish(gen, ok, pool, "a")
+    finish(ok, pool, "a")
     from pdserve.core.messages import ErrorInfo
-    finish(gen, bad, pool, "b", error=ErrorInfo(500, "room 8: kv write failed", "handoff_error"))
+    finish(bad, pool, "b", error=ErrorInfo(500, "room 8: kv write failed", "handoff_error"))
     assert role.table.lookup([7, 8])[0] == {8: 0}
     assert role.claims == {}
     gen.start([item("c", 7)])  # the room is free again
@@ -139,9 +101,8 @@ def test_a_pinned_item_does_not_move_the_round_robin_cursor(pin):
 
 def test_the_decode_front_refuses_a_live_room_too():
     role = DecodeFrontRole(ServerConfig(role=Role.DECODE, dp_size=2))
-    pool = Pool()
-    gen = Generator(pool, DPDispatcher(2, role.lb_method()), role, tokenizer=Tok(),  # type: ignore[arg-type]
-                    limits=Limits(64, 100), metrics=FrontMetrics("decode"))
+    gen = generator(role, 2, Limits(64, 100), FrontMetrics("decode"))
+    pool = gen.pool
     a = gen.start([item("a", 7)])
     with pytest.raises(BadRequest, match="already in flight on this decode server"):
         gen.start([item("b", 7)])

@@ -10,33 +10,15 @@ import asyncio
 import pytest
 
 from pdserve.core.config import Role, ServerConfig
-from pdserve.core.messages import PDParams, TokenOutput
+from pdserve.core.messages import PDParams
 from pdserve.core.sampling import SamplingParams
-from pdserve.server.front import Generator, Limits
+from pdserve.server.front import Limits
 from pdserve.server.limits import Refused
 from pdserve.server.metrics import FrontMetrics
 from pdserve.server.pd_roles import PrefillFrontRole
 from pdserve.server.protocol import RequestItem
-from pdserve.server.roles import DPDispatcher, RoleContext
-
-
-class Pool:
-    def __init__(self):
-        self.sinks: dict[str, asyncio.Queue] = {}
-
-    def check_free(self, rids):
-        pass
-
-    def submit(self, rank, req, sink):
-        self.sinks[req.rid] = sink
-
-    def abort(self, rid, reason):
-        pass
-
-
-class Tok:
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
+from pdserve.server.roles import RoleContext
+from tests.harness.front_fakes import finish, generator
 
 
 def front(limit: int, dp: int = 2):
@@ -44,24 +26,13 @@ def front(limit: int, dp: int = 2):
     notices = []
     asyncio.run(role.start(RoleContext([], lambda rank, msg: notices.append(msg) or True)))
     metrics = FrontMetrics("prefill")
-    gen = Generator(Pool(), DPDispatcher(dp, role.lb_method()), role, tokenizer=Tok(),  # type: ignore[arg-type]
-                    limits=Limits(512, 1000), metrics=metrics)
+    gen = generator(role, dp, Limits(512, 1000), metrics)
     return gen, role, notices, metrics
 
 
 def item(rid: str, room: int, tokens: int) -> RequestItem:
     return RequestItem(0, rid, [5] * tokens, SamplingParams(max_new_tokens=4), True,
                        pd=PDParams("127.0.0.1", 8998, room, None))
-
-
-def finish(gen: Generator, active, rid: str) -> None:
-    gen.pool.sinks[rid].put_nowait(TokenOutput(rid, [9], finished=True, finish_reason={"type": "length"}))
-
-    async def drain():
-        async for _ in active.events():
-            pass
-    asyncio.run(drain())
-    active.close()
 
 
 def test_a_rank_over_the_limit_refuses_with_429_and_fails_the_room_where_the_decode_looks():
@@ -82,7 +53,7 @@ def test_a_rank_over_the_limit_refuses_with_429_and_fails_the_room_where_the_dec
     assert role.held_tokens(0) == 100
     assert 'pdserve_admission_refused_total{reason="held_tokens",role="prefill"} 1.0' in \
         metrics.render().decode()
-    finish(gen, first, "a")
+    finish(first, gen.pool, "a")
     assert role.held_tokens(0) == 40
     gen.start([item("e", 6, 60)])  # room again once a held request ended
 

@@ -1,12 +1,13 @@
-"""Transfer backend contract, run against tcp and fake; then tcp's wire-level checks.
+"""What only the tcp transfer backend does: its wire (hello, frames, partial socket I/O, a
+rejected write poisoning its connection), restarts, ports, deadlines, socket buffers and send
+modes. The contract every backend keeps is test_transfer_contract.py (tcp and fake included).
 
-Pools are numpy arrays (pointer from arr.ctypes.data) with a guard area after the layout, so a
+Pools are numpy arrays with a guard area after the layout (tests.harness.transfer_pools), so a
 stray write anywhere is caught. Everything binds 127.0.0.1 on free ports.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 import threading
 import time
@@ -14,230 +15,16 @@ import time
 import numpy as np
 import pytest
 
-from pdserve.core.kv_layout import KVLayout
-from pdserve.transfer import TransferError, create_backend
-from pdserve.transfer.fake import FakeFabric
+from pdserve.transfer import TransferError
 from pdserve.transfer.tcp import TcpBackend
+from tests.harness.transfer_pools import BackendPair, Pool, recv_until, tcp_threads
 
 pytestmark = pytest.mark.timeout(60)
 
-GUARD = 4096
 
-
-class Pool:
-    """A fake KV pool: `regions x pages x page_bytes` bytes plus a guard area that must stay 0."""
-
-    def __init__(self, regions: int, pages: int, page_bytes: int, seed: int | None = None):
-        total = regions * pages * page_bytes
-        if seed is None:
-            self.arr = np.zeros(total + GUARD, dtype=np.uint8)
-        else:
-            self.arr = np.random.default_rng(seed).integers(1, 256, total + GUARD, dtype=np.uint8)
-            self.arr[total:] = 0
-        self.layout = KVLayout(base_ptr=self.arr.ctypes.data, num_regions=regions, num_pages=pages,
-                               page_bytes=page_bytes, region_stride=pages * page_bytes, page_size=16,
-                               dtype="bfloat16")
-        self.pages = self.arr[:total].reshape(regions, pages, page_bytes)
-        self.guard = self.arr[total:]
-
-
-class Pair:
-    def __init__(self, kind: str, a: Pool, b: Pool):
-        self.kind, self.a_pool, self.b_pool = kind, a, b
-        opts = {"fabric": FakeFabric()} if kind == "fake" else {"connect_timeout": 2.0}
-        self.a = create_backend(kind, **opts)
-        self.b = create_backend(kind, **opts)
-        self.a_ep = self.a.start(a.layout)
-        self.b_ep = self.b.start(b.layout)
-
-    def close(self) -> None:
-        self.a.close()
-        self.b.close()
-
-
-def recv_until(backend, count: int, deadline_s: float = 10.0) -> list[tuple[dict, dict]]:
-    got: list = []
-    end = time.monotonic() + deadline_s
-    while len(got) < count and time.monotonic() < end:
-        got += backend.recv(0.1)
-    return got
-
-
-def tcp_threads(*endpoints: dict) -> list[str]:
-    """Live tcp backend threads of these endpoints (named pdserve-tcp-<role>-<port>)."""
-    ports = {f"-{ep['port']}" for ep in endpoints}
-    return [t.name for t in threading.enumerate()
-            if t.name.startswith("pdserve-tcp-") and any(t.name.endswith(p) for p in ports)]
-
-
-@pytest.fixture(params=["tcp", "fake"])
-def pair(request):
-    # the receiver's pool is larger: its regions sit at another stride than the sender's
-    p = Pair(request.param, Pool(4, 16, 256, seed=1), Pool(4, 24, 256))
-    request.addfinalizer(p.close)
-    return p
-
-
-def test_descriptor_is_jsonable_and_names_backend(pair):
-    import json
-    assert json.loads(json.dumps(pair.a_ep)) == pair.a_ep
-    assert pair.a_ep["backend"] == pair.kind and pair.a_ep["port"] != pair.b_ep["port"]
-
-
-def test_pages_land_where_asked(pair):
-    src, dst = [0, 1, 2, 7, 8, 3], [5, 6, 7, 0, 1, 23]
-    res = pair.a.write_pages(pair.b_ep, pair.b_pool.layout, src, dst)
-    assert res.bytes == len(src) * 4 * 256
-    assert res.num_writes == 3 * 4  # joint runs (0->5 x3), (7->0 x2), (3->15 x1), per region
-    assert res.finished_at >= res.started_at
-    pair.a.send(pair.b_ep, {"done": 1})
-    assert [m for _, m in recv_until(pair.b, 1)] == [{"done": 1}]
-    expect = np.zeros_like(pair.b_pool.pages)
-    expect[:, dst] = pair.a_pool.pages[:, src]
-    assert np.array_equal(pair.b_pool.pages, expect)
-    assert not pair.b_pool.guard.any()
-
-
-def test_message_after_writes_sees_all_pages():
-    for kind in ("tcp", "fake"):
-        p = Pair(kind, Pool(4, 64, 16384, seed=2), Pool(4, 64, 16384))
-        try:
-            rng = np.random.default_rng(3)
-            for round_ in range(4):
-                p.a_pool.pages[:] = rng.integers(0, 256, p.a_pool.pages.shape, dtype=np.uint8)
-                dst = rng.permutation(64).tolist()
-                p.a.write_pages(p.b_ep, p.b_pool.layout, list(range(64)), dst)
-                p.a.send(p.b_ep, {"round": round_})
-                got = recv_until(p.b, 1)
-                assert [m for _, m in got] == [{"round": round_}]
-                assert np.array_equal(p.b_pool.pages[:, dst], p.a_pool.pages), (kind, round_)
-        finally:
-            p.close()
-
-
-def test_many_scattered_runs_span_several_frames():
-    """More single-page runs than one tcp WRITE frame holds, interleaved with messages."""
-    for kind in ("tcp", "fake"):
-        p = Pair(kind, Pool(4, 600, 64, seed=7), Pool(4, 600, 64))
-        try:
-            dst = np.random.default_rng(8).permutation(600).tolist()
-            src = list(range(0, 600, 2)) + list(range(1, 600, 2))  # no two consecutive
-            p.a.write_pages(p.b_ep, p.b_pool.layout, src[:300], dst[:300])
-            p.a.send(p.b_ep, {"half": 1})
-            res = p.a.write_pages(p.b_ep, p.b_pool.layout, src[300:], dst[300:])
-            assert res.num_writes >= 4 * 290
-            p.a.send(p.b_ep, {"half": 2})
-            assert [m for _, m in recv_until(p.b, 2)] == [{"half": 1}, {"half": 2}]
-            assert np.array_equal(p.b_pool.pages[:, dst], p.a_pool.pages[:, src]), kind
-            assert not p.b_pool.guard.any()
-        finally:
-            p.close()
-
-
-def test_messages_ordered_with_sender_and_reply(pair):
-    for i in range(50):
-        pair.a.send(pair.b_ep, {"seq": i, "tup": (1, 2), "nested": {"k": [i]}})
-    got = recv_until(pair.b, 50)
-    assert [m["seq"] for _, m in got] == list(range(50))
-    assert all(sender == pair.a_ep for sender, _ in got)
-    assert got[0][1]["tup"] == [1, 2]  # what a wire gives back
-    pair.b.send(got[0][0], {"reply": True})
-    assert recv_until(pair.a, 1) == [(pair.b_ep, {"reply": True})]
-
-
-def test_concurrent_senders_keep_per_thread_order(pair):
-    def worker(t):
-        for i in range(30):
-            pair.a.send(pair.b_ep, {"t": t, "i": i})
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    got = [m for _, m in recv_until(pair.b, 120)]
-    assert len(got) == 120
-    for t in range(4):
-        assert [m["i"] for m in got if m["t"] == t] == list(range(30))
-
-
-def test_sender_side_validation(pair):
-    peer_layout = pair.b_pool.layout
-    with pytest.raises(TransferError, match="out of range"):
-        pair.a.write_pages(pair.b_ep, peer_layout, [0], [24])
-    with pytest.raises(TransferError, match="out of range"):
-        pair.a.write_pages(pair.b_ep, peer_layout, [16], [0])
-    with pytest.raises(TransferError, match="out of range"):
-        pair.a.write_pages(pair.b_ep, peer_layout, [-1], [0])
-    with pytest.raises(TransferError, match="2 source pages but 1"):
-        pair.a.write_pages(pair.b_ep, peer_layout, [0, 1], [0])
-    with pytest.raises(TransferError, match="page_bytes=256 but peer page_bytes=512"):
-        pair.a.write_pages(pair.b_ep, dataclasses.replace(peer_layout, page_bytes=512), [0], [0])
-    with pytest.raises(TransferError, match="dtype=bfloat16 but peer dtype=float32"):
-        pair.a.write_pages(pair.b_ep, dataclasses.replace(peer_layout, dtype="float32"), [0], [0])
-    with pytest.raises(TransferError, match="must be a dict"):
-        pair.a.send(pair.b_ep, ["not", "a", "dict"])
-    assert not pair.b_pool.arr.any()
-
-
-def test_receiver_rejects_out_of_bounds_write(pair):
-    """A peer layout that lies (more pages than the receiver has) must not corrupt anything:
-    the write is rejected, messages after it are never delivered, the sender gets an error."""
-    lie = dataclasses.replace(pair.b_pool.layout, num_pages=48)
-    err = None
-    try:
-        pair.a.write_pages(pair.b_ep, lie, [0], [40])  # region 0 page 40 = inside region 1
-        pair.a.send(pair.b_ep, {"after": "bad write"})
-        end = time.monotonic() + 10
-        while err is None and time.monotonic() < end:  # tcp reports it on a later call
-            time.sleep(0.02)
-            pair.a.send(pair.b_ep, {"after": "bad write"})
-    except TransferError as e:
-        err = e
-    assert err is not None and "rejected a write" in str(err) and "outside region" in str(err)
-    assert not pair.b_pool.arr.any()
-    pair.a.send(pair.b_ep, {"after": "recovered"})  # a fresh connection works again
-    got = [m for _, m in recv_until(pair.b, 1)]
-    assert got == [{"after": "recovered"}]
-
-
-def test_other_backend_or_version_refused(pair):
-    other = "fake" if pair.kind == "tcp" else "tcp"
-    with pytest.raises(TransferError, match=f"speaks {other} v1, this endpoint speaks {pair.kind} v1"):
-        pair.a.send({**pair.b_ep, "backend": other}, {"x": 1})
-    with pytest.raises(TransferError, match=f"speaks {pair.kind} v9, this endpoint speaks {pair.kind} v1"):
-        pair.a.send({**pair.b_ep, "version": 9}, {"x": 1})
-    with pytest.raises(TransferError, match="bad transfer peer descriptor"):
-        pair.a.send({"ip": "127.0.0.1"}, {"x": 1})
-    with pytest.raises(TransferError, match="bad transfer peer descriptor"):
-        pair.a.send({**pair.b_ep, "port": str(pair.b_ep["port"])}, {"x": 1})
-
-
-def test_peer_gone_fails_fast(pair):
-    pair.a.send(pair.b_ep, {"hello": 1})  # a cached connection exists now
-    assert recv_until(pair.b, 1)
-    pair.b.close()
-    with pytest.raises(TransferError, match=pair.b_ep["ip"]):
-        pair.a.send(pair.b_ep, {"x": 1})
-    with pytest.raises(TransferError):
-        pair.a.write_pages(pair.b_ep, pair.b_pool.layout, [0], [0])
-
-
-def test_close_is_idempotent_and_final(pair):
-    pair.a.send(pair.b_ep, {"x": 1})
-    recv_until(pair.b, 1)
-    pair.a.close()
-    pair.a.close()
-    with pytest.raises(TransferError, match="closed"):
-        pair.a.send(pair.b_ep, {"x": 2})
-    assert pair.a.recv(5.0) == []  # returns at once after close
-    pair.b.close()
-    assert tcp_threads(pair.a_ep, pair.b_ep) == []
-
-
-# -- tcp only --------------------------------------------------------------------------------
 @pytest.fixture
 def tcp_pair(request):
-    p = Pair("tcp", Pool(2, 8, 128, seed=4), Pool(2, 8, 128))
+    p = BackendPair("tcp", Pool(2, 8, 128, seed=4), Pool(2, 8, 128))
     request.addfinalizer(p.close)
     return p
 
@@ -374,7 +161,7 @@ def test_tcp_garbage_connection_is_dropped(tcp_pair):
 
 
 def test_tcp_close_stops_threads_with_open_connections(request):
-    p = Pair("tcp", Pool(2, 8, 128, seed=5), Pool(2, 8, 128))
+    p = BackendPair("tcp", Pool(2, 8, 128, seed=5), Pool(2, 8, 128))
     request.addfinalizer(p.close)
     p.a.send(p.b_ep, {"x": 1})
     p.b.send(p.a_ep, {"y": 1})

@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from tests.harness.cluster import Server, pd_body, stop_all  # noqa: E402
-from tests.harness.fault_tools import KnobServer, Legs, Router, children, error_of, shared_tiny_model, wait_for  # noqa: E402
+from tests.harness.fault_tools import KnobServer, Legs, Router, error_of, shared_tiny_model, wait_for  # noqa: E402
+from tests.harness.procs import children  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from tests.harness.cluster import Server, stop_all  # noqa: E402
-from tests.harness.fault_tools import Router, fd_count, shared_tiny_model, wait_for  # noqa: E402
+from tests.harness.fault_tools import Router, shared_tiny_model, wait_for  # noqa: E402
+from tests.harness.procs import fd_count  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -11,35 +11,36 @@ by watching server_info, never by sleeping a guessed time.
 from __future__ import annotations
 
 import time
-import types
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.harness.cluster import FAST_ENV, pd_body, stop_all  # noqa: E402
+from tests.harness.cluster import FAST_ENV, pd_body  # noqa: E402
 from tests.harness.fault_tools import (  # noqa: E402
+    GREEDY,
+    LEG_TIMEOUT,
+    LONG,
     KnobServer,
     Legs,
+    N,
     assert_failed,
+    cold_then_fast,
     decoding,
     error_of,
-    flush_cache,
     kv_req_sent,
     prefilling,
     room_on,
+    running,
     shared_tiny_model,
     status,
     transferring,
     wait_for,
+    widen,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-LONG = "hello " * 100  # 300 prompt tokens: 5 prefill chunks of 64
-N = 24  # output tokens
-GREEDY = {"max_new_tokens": N, "temperature": 0, "ignore_eos": True}
-LEG_TIMEOUT = 60.0  # a leg with no answer by then hung (FAST_ENV deadlines are <= 20 s)
 P_LAST = D_LAST = 3  # the rank of the dp-4 servers that no test kills
 QUARANTINE_S = float(FAST_ENV["PDSERVE_KV_QUARANTINE_TIMEOUT"])  # a killed prefill's rooms keep their pages
 
@@ -56,37 +57,20 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def legs():
-    pool = Legs()
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="module")
 def cluster(model, logs):
     """P (prefill dp 4) + D (decode dp 4) for the worker kills (each test kills its own rank;
     rank 3 of each is never killed), and three prefill dp 1 servers to kill whole."""
-    started = {"P": KnobServer("prefill", model, dp=4, log_dir=logs),
-               "D": KnobServer("decode", model, dp=4, log_dir=logs)}
-    for k in range(3):
-        started[f"S{k}"] = KnobServer("prefill", model, dp=1, log_dir=logs)
-    try:
-        for s in started.values():
-            s.wait_ready()
-        yield types.SimpleNamespace(**started)
-    finally:
-        stop_all(list(started.values()))
+    with running(P=KnobServer("prefill", model, dp=4, log_dir=logs),
+                 D=KnobServer("decode", model, dp=4, log_dir=logs),
+                 **{f"S{k}": KnobServer("prefill", model, dp=1, log_dir=logs) for k in range(3)}) as servers:
+        yield servers
 
 
 @pytest.fixture
 def knobs(cluster):
-    """Every test starts with empty prefix caches (its LONG prompt must be prefilled in all its
-    chunks, not reused from the test before) and leaves the servers fast again."""
-    for name in ("P", "D", "S0", "S1", "S2"):
-        flush_cache(getattr(cluster, name))
-    yield
-    for name in ("P", "D", "S0", "S1", "S2"):
-        getattr(cluster, name).slow()
+    """Every test starts with empty prefix caches and leaves the servers fast again."""
+    with cold_then_fast(*vars(cluster).values()):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -123,12 +107,7 @@ def start_pair(legs: Legs, P: KnobServer, D: KnobServer, p_rank: int, d_rank: in
 @pytest.mark.parametrize("phase,rank", [("prefill", 0), ("transfer", 1), ("decode", 2)])
 def test_kill_prefill_worker(cluster, legs, knobs, reference, phase, rank):
     P, D = cluster.P, cluster.D
-    if phase == "prefill":
-        P.slow(step_s=0.25)
-    elif phase == "transfer":
-        P.slow(transfer_s=2.5)
-    else:
-        D.slow(step_s=0.1)
+    widen(phase, P, D)
     room, fp, fd = start_pair(legs, P, D, rank, D_LAST)
     window = {"prefill": lambda: prefilling(P, rank), "transfer": lambda: transferring(P, rank),
               "decode": lambda: decoding(D, D_LAST)}[phase]
@@ -161,12 +140,7 @@ def test_kill_prefill_worker(cluster, legs, knobs, reference, phase, rank):
 @pytest.mark.parametrize("phase,rank", [("prefill", 0), ("transfer", 1), ("decode", 2)])
 def test_kill_decode_worker(cluster, legs, knobs, reference, phase, rank):
     P, D = cluster.P, cluster.D
-    if phase == "prefill":
-        P.slow(step_s=0.25)
-    elif phase == "transfer":
-        P.slow(transfer_s=2.5)
-    else:
-        D.slow(step_s=0.1)
+    widen(phase, P, D)
     room, fp, fd = start_pair(legs, P, D, P_LAST, rank)
     window = {"prefill": lambda: prefilling(P, P_LAST) and kv_req_sent(D, rank),
               "transfer": lambda: transferring(P, P_LAST), "decode": lambda: decoding(D, rank)}[phase]
@@ -189,12 +163,7 @@ def test_kill_decode_worker(cluster, legs, knobs, reference, phase, rank):
 @pytest.mark.parametrize("phase,spare", [("prefill", "S0"), ("transfer", "S1"), ("decode", "S2")])
 def test_kill_prefill_server(cluster, legs, knobs, reference, phase, spare):
     S, D = getattr(cluster, spare), cluster.D
-    if phase == "prefill":
-        S.slow(step_s=0.25)
-    elif phase == "transfer":
-        S.slow(transfer_s=2.5)
-    else:
-        D.slow(step_s=0.1)
+    widen(phase, S, D)
     room, fp, fd = start_pair(legs, S, D, 0, D_LAST)
     window = {"prefill": lambda: prefilling(S, 0), "transfer": lambda: transferring(S, 0),
               "decode": lambda: decoding(D, D_LAST)}[phase]

@@ -16,29 +16,29 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.harness.cluster import pd_body, stop_all  # noqa: E402
+from tests.harness.cluster import pd_body  # noqa: E402
 from tests.harness.fault_stubs import BootstrapStub, StallingPeer  # noqa: E402
 from tests.harness.fault_tools import (  # noqa: E402
+    GREEDY,
+    LEG_TIMEOUT,
+    LONG,
     KnobServer,
-    Legs,
+    N,
     Router,
     assert_failed,
+    cold_then_fast,
     decoding,
     error_of,
-    flush_cache,
     prefilling,
     room_on,
+    running,
     shared_tiny_model,
     transferring,
     wait_for,
+    widen,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
-
-LONG = "hello " * 100  # 300 prompt tokens: 5 prefill chunks of 64
-N = 24  # output tokens
-GREEDY = {"max_new_tokens": N, "temperature": 0, "ignore_eos": True}
-LEG_TIMEOUT = 60.0  # a leg with no answer by then hung (FAST_ENV deadlines are <= 20 s)
 
 
 @pytest.fixture(scope="module")
@@ -47,35 +47,19 @@ def logs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def legs():
-    pool = Legs()
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="module")
 def cluster(tmp_path_factory, logs):
     """A healthy prefill dp 2 + decode dp 2; every test leaves them as it found them."""
     model = shared_tiny_model(tmp_path_factory)
-    started = {"Pr": KnobServer("prefill", model, dp=2, log_dir=logs),
-               "Dr": KnobServer("decode", model, dp=2, log_dir=logs)}
-    try:
-        for s in started.values():
-            s.wait_ready()
-        yield types.SimpleNamespace(**started)
-    finally:
-        stop_all(list(started.values()))
+    with running(Pr=KnobServer("prefill", model, dp=2, log_dir=logs),
+                 Dr=KnobServer("decode", model, dp=2, log_dir=logs)) as servers:
+        yield servers
 
 
 @pytest.fixture
 def knobs(cluster):
-    """Every test starts with empty prefix caches (its LONG prompt prefills in all its chunks)
-    and leaves the servers fast again, whatever happened."""
-    flush_cache(cluster.Pr)
-    flush_cache(cluster.Dr)
-    yield
-    cluster.Pr.slow()
-    cluster.Dr.slow()
+    """Every test starts with empty prefix caches and leaves the servers fast again."""
+    with cold_then_fast(cluster.Pr, cluster.Dr):
+        yield
 
 
 # ---- kill -9 of the router ------------------------------------------------------------------
@@ -85,12 +69,7 @@ def test_kill_router(cluster, legs, knobs, logs, phase):
     router = Router([Pr], [Dr], log_dir=logs).wait_healthy()
     again = None
     try:
-        if phase == "prefill":
-            Pr.slow(step_s=0.25)
-        elif phase == "transfer":
-            Pr.slow(transfer_s=2.5)
-        else:
-            Dr.slow(step_s=0.1)
+        widen(phase, Pr, Dr)
         fut = legs.post(router.url + "/generate",
                         {"text": LONG, "sampling_params": GREEDY, "stream": phase == "decode"}, LEG_TIMEOUT)
         either = lambda f: f(Pr, 0) or f(Pr, 1)  # noqa: E731

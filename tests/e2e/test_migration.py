@@ -23,7 +23,7 @@ import pytest
 
 from pdserve.bench.tcp_proxy import TcpProxy
 from tests.harness.cluster import Server
-from tests.harness.fault_tools import KnobServer, Legs, Router, decoding, wait_for
+from tests.harness.fault_tools import KnobServer, Router, decoding, wait_for
 from tests.harness.shared_servers import COLOCATED
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -72,13 +72,6 @@ def cluster(shared_servers, tmp_path_factory):
             list(pool.map(lambda proc: proc.stop(), [*routers, P, D1, D2]))
         proxy.close()
     shared_servers.give_back(LENT)
-
-
-@pytest.fixture(scope="module")
-def legs():
-    pool = Legs()
-    yield pool
-    pool.close()
 
 
 @pytest.fixture(scope="module")

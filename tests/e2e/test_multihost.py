@@ -35,11 +35,11 @@ from pdserve.transfer.nixl import import_problem as nixl_problem  # noqa: E402
 from tests.harness import netns  # noqa: E402
 from tests.harness.cluster import (  # noqa: E402
     ROOT,
+    GenerateProbe,
     Server,
 )
 from tests.harness.fault_tools import (  # noqa: E402
     KnobServer,
-    Legs,
     error_of,
     flush_cache,
     prefilling,
@@ -141,22 +141,17 @@ class NsRouter(netns.NsProcess):
         self.url = f"http://{host.ip}:{self.port}"
 
     def wait_serving(self, timeout: float = 90.0) -> "NsRouter":
-        last = ""
+        probe = GenerateProbe(self.url)
 
         def serves() -> bool:
-            nonlocal last
             if self.proc.poll() is not None:
                 raise RuntimeError(f"router exited ({self.proc.returncode}):\n{self.tail()}")
-            try:
-                r = httpx.post(self.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}},
-                               timeout=30)
-                last = f"{r.status_code} {r.text[:300]}"
-                return r.status_code == 200
-            except httpx.HTTPError as e:
-                last = repr(e)
-                return False
+            return probe()
 
-        netns.wait_for(serves, timeout, f"router at {self.url} serving (last: {last})", step=0.3)
+        try:
+            netns.wait_for(serves, timeout, f"router at {self.url} serving", step=0.3)
+        except AssertionError as e:
+            raise AssertionError(f"{e} (last answer: {probe.last})") from None
         return self
 
 
@@ -182,13 +177,6 @@ def routers(servers, hosts, logs):
 def reference(servers):
     """The colocated server's greedy answers, by prompt."""
     return {p: generate(servers.col.url, p) for p in [*PROMPTS, LONG]}
-
-
-@pytest.fixture(scope="module")
-def legs():
-    pool = Legs()
-    yield pool
-    pool.close()
 
 
 def generate(url: str, text: str, timeout: float = LEG_TIMEOUT) -> list[int]:

@@ -15,25 +15,12 @@ import pytest
 
 from pdserve.core.launcher import ProcessGroup, free_port
 from tests.harness.cluster import ROOT
-from tests.harness.fault_tools import KnobServer, Legs, alive, children, shared_tiny_model, wait_for
+from tests.harness.fault_tools import KnobServer, Legs, shared_tiny_model, wait_for
+from tests.harness.procs import alive, children, marked_pids
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 MARK = "PDSERVE_ORPHAN_TEST_MARK"
 GONE_S = 15.0  # the kernel signals at once; this only bounds the wait on a loaded machine
-
-
-def marked_pids(token: str) -> list[int]:
-    needle = f"{MARK}={token}".encode()
-    pids = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/environ", "rb") as f:
-                    if needle in f.read().split(b"\0"):
-                        pids.append(int(d))
-            except OSError:
-                continue
-    return pids
 
 
 def port_free(port: int) -> bool:
@@ -83,7 +70,7 @@ def test_sigkill_of_up_leaves_no_process_and_frees_its_ports(tiny, tmp_path):
         wait_for(lambda: "pdserve is up" in out_path.read_text() or up.poll() is not None, 150,
                  "pdserve up to start", lambda: out_path.read_text()[-2000:])
         assert up.poll() is None, out_path.read_text()
-        pids = [p for p in marked_pids(token) if p != up.pid]
+        pids = [p for p in marked_pids(MARK, token) if p != up.pid]
         workers = [p for p in pids if "pdserve.worker" in cmdline(p)]
         assert len(pids) >= 3 + 2 and len(workers) == 2, [cmdline(p) for p in pids]  # 3 fronts, 2 workers
         assert not any(port_free(p) for p in ports), "every listener is up"
@@ -95,7 +82,7 @@ def test_sigkill_of_up_leaves_no_process_and_frees_its_ports(tiny, tmp_path):
                  lambda: f"taken: {[p for p in ports if not port_free(p)]}")
     finally:
         group.kill()
-        for pid in marked_pids(token):
+        for pid in marked_pids(MARK, token):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

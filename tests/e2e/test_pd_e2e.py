@@ -13,11 +13,11 @@ import time
 import pytest
 
 from tests.harness.cluster import Server, pd_body, post_both, run  # noqa: E402
+from tests.harness.pd_answers import PROMPTS, assert_pd_answer, colocated, greedy  # noqa: E402
 from tests.harness.shared_servers import COLOCATED, DECODE, DECODE_DP2, PREFILL, PREFILL_DP2, borrow  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
-PROMPTS = ["The capital of France is", "hello world " * 9, "a", "Once upon a time, in a land far away, " * 3]
 CONFLICT = "follow_bootstrap_room conflict: dispatched to dp_rank"
 # servers borrowed from the session's shared ones (shared_servers.py)
 LENT = {"colo": COLOCATED, "p1": PREFILL, "p2": PREFILL_DP2, "d1": DECODE, "d2": DECODE_DP2}
@@ -45,19 +45,6 @@ def servers(shared_servers, model_dir, tmp_path_factory):
         yield s
 
 
-def greedy(n: int = 12) -> dict:
-    return {"max_new_tokens": n, "temperature": 0}
-
-
-def colocated(servers, prompt: str, n: int = 12) -> list[int]:
-    import httpx
-
-    r = httpx.post(servers["colo"].url + "/generate", json={"text": prompt, "sampling_params": greedy(n)},
-                   timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()["output_ids"]
-
-
 def room_for_rank(rank: int, dp: int) -> int:
     """A random 63-bit room with room % dp == rank."""
     r = random.getrandbits(63)
@@ -73,18 +60,11 @@ def assert_idle(*servers) -> None:
 def test_pd_output_equals_colocated(servers, p, d):
     P, D = servers[p], servers[d]
     for prompt in PROMPTS:
-        want = colocated(servers, prompt)
-        body = pd_body({"text": prompt, "sampling_params": greedy()}, P, random.getrandbits(63))
-        rp, rd = run(post_both(P, D, body))
-        assert rp.status_code == 200, rp.text
-        assert rd.status_code == 200, rd.text
-        assert rd.json()["output_ids"] == want, prompt
-        meta = rd.json()["meta_info"]
-        assert meta["bootstrap_room"] == body["bootstrap_room"]
+        meta = assert_pd_answer(P, D, prompt, colocated(servers["colo"], prompt))
         assert meta["dp_rank_path"] == ("single" if P.dp == 1 else "fast")
-        assert meta["kv_bytes"] > 0 and meta["kv_transfer_s"] >= 0
+        assert meta["kv_transfer_s"] >= 0
         if P.dp > 1:
-            assert meta["prefill_dp_rank"] == body["bootstrap_room"] % P.dp
+            assert meta["prefill_dp_rank"] == meta["bootstrap_room"] % P.dp
     assert_idle(P, D)
 
 
@@ -93,7 +73,7 @@ def test_pd_batch_and_stream(servers):
 
     P, D = servers["p2"], servers["d2"]
     prompts = PROMPTS[:3]
-    want = [colocated(servers, t) for t in prompts]
+    want = [colocated(servers["colo"], t) for t in prompts]
     rooms = [random.getrandbits(63) for _ in prompts]
     body = pd_body({"text": prompts, "sampling_params": greedy()}, P, rooms)
     rp, rd = run(post_both(P, D, body))
@@ -139,7 +119,7 @@ def test_force_on_prefill_only_turns_conflict_into_success(servers):
     rp, rd = run(post_both(P, D, body, decode_extra={"routed_dp_rank": 0}))
     assert rp.status_code == 200, rp.text
     assert rd.status_code == 200, rd.text
-    assert rd.json()["output_ids"] == colocated(servers, PROMPTS[0])
+    assert rd.json()["output_ids"] == colocated(servers["colo"], PROMPTS[0])
     meta = rd.json()["meta_info"]
     # the decode sent its KV request to the room's home rank 0, which forwarded it to rank 1
     assert meta["dp_rank_path"] == "forward" and meta["prefill_dp_rank"] == 1
@@ -155,7 +135,7 @@ def test_disagg_prefill_dp_rank_hint_turns_conflict_into_success(servers):
     rp, rd = run(post_both(P, D, body, decode_extra={"routed_dp_rank": 0}))
     assert rp.status_code == 200, rp.text
     assert rd.status_code == 200, rd.text
-    assert rd.json()["output_ids"] == colocated(servers, PROMPTS[1])
+    assert rd.json()["output_ids"] == colocated(servers["colo"], PROMPTS[1])
     assert rd.json()["meta_info"]["dp_rank_path"] == "hint"
     assert rd.json()["meta_info"]["prefill_dp_rank"] == 1
     # a hint that contradicts routed_dp_rank is bad input on the prefill
@@ -171,7 +151,7 @@ def test_force_on_decode_only_uses_query_path_and_conflict_still_rejected(server
     body = pd_body({"text": PROMPTS[2], "sampling_params": greedy()}, P, random.getrandbits(63))
     rp, rd = run(post_both(P, D, body))
     assert rd.status_code == 200, rd.text
-    assert rd.json()["output_ids"] == colocated(servers, PROMPTS[2])
+    assert rd.json()["output_ids"] == colocated(servers["colo"], PROMPTS[2])
     assert rd.json()["meta_info"]["dp_rank_path"] == "query"
     room = room_for_rank(1, 2)
     body = pd_body({"text": PROMPTS[2], "sampling_params": greedy(), "routed_dp_rank": 0}, P, room)
@@ -193,7 +173,7 @@ def test_round_robin_prefill_is_reached_without_a_query(servers, p):
         body = pd_body({"text": prompt, "sampling_params": greedy()}, P, random.getrandbits(63))
         rp, rd = run(post_both(P, D, body))
         assert rd.status_code == 200, rd.text
-        assert rd.json()["output_ids"] == colocated(servers, prompt)
+        assert rd.json()["output_ids"] == colocated(servers["colo"], prompt)
         assert rd.json()["meta_info"]["dp_rank_path"] == "forward"
         ranks.add(rd.json()["meta_info"]["prefill_dp_rank"])
     assert ranks == {0, 1}
@@ -210,7 +190,7 @@ def test_rooms_at_the_top_of_the_range_and_n_samples_wrapping_to_zero(servers, p
     rp, rd = run(post_both(P, D, body))
     assert rp.status_code == 200, rp.text
     assert rd.status_code == 200, rd.text
-    want = colocated(servers, PROMPTS[0])
+    want = colocated(servers["colo"], PROMPTS[0])
     answers = rd.json()
     assert [a["output_ids"] for a in answers] == [want, want]
     assert sorted(a["meta_info"]["bootstrap_room"] for a in answers) == [0, top]
@@ -257,7 +237,7 @@ def test_a_second_request_on_a_live_room_is_refused_and_the_first_one_served(ser
     assert rp2.status_code == 400 and f"bootstrap_room {room} is already in flight" in rp2.text
     assert rp1.status_code == 200, rp1.text
     assert rd1.status_code == 200, rd1.text
-    assert rd1.json()["output_ids"] == colocated(servers, PROMPTS[3])
+    assert rd1.json()["output_ids"] == colocated(servers["colo"], PROMPTS[3])
     assert_idle(P, D)
 
 

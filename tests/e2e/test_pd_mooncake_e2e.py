@@ -8,9 +8,7 @@ reason) only when Mooncake's engine cannot be imported here.
 
 from __future__ import annotations
 
-import asyncio
 import random
-import threading
 import time
 
 import httpx
@@ -18,6 +16,14 @@ import pytest
 
 from pdserve.transfer.mooncake import import_problem  # noqa: E402
 from tests.harness.cluster import Server, pd_body, post_both, run  # noqa: E402
+from tests.harness.pd_answers import (  # noqa: E402
+    PROMPTS,
+    assert_concurrent_and_batch,
+    assert_pd_answer,
+    colocated,
+    decode_leg_when_prefill_dies,
+    greedy,
+)
 from tests.harness.shared_servers import COLOCATED, DECODE, borrow  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
@@ -27,7 +33,6 @@ if (_problem := import_problem()) is not None:
     pytest.skip(f"mooncake backend unavailable: {_problem}", allow_module_level=True)
 
 MOONCAKE = ["--transfer-backend", "mooncake"]
-PROMPTS = ["The capital of France is", "hello world " * 9, "a", "Once upon a time, in a land far away, " * 3]
 P1_BOOTSTRAP_TIMEOUT = 120  # p1's wait for a kv_req: a mismatched decode must not make it wait that long
 
 
@@ -47,17 +52,6 @@ def servers(shared_servers, tmp_path_factory):
         yield s
 
 
-def greedy(n: int = 12) -> dict:
-    return {"max_new_tokens": n, "temperature": 0}
-
-
-def colocated(servers, prompt: str) -> list[int]:
-    r = httpx.post(servers["colo"].url + "/generate", json={"text": prompt, "sampling_params": greedy()},
-                   timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()["output_ids"]
-
-
 def assert_idle(*servers) -> None:
     for s in servers:
         s.wait_idle(timeout=30)
@@ -73,37 +67,15 @@ def test_mooncake_pd_output_equals_colocated(servers, p):
     P, D = servers[p], servers["d2"]
     assert P.info()["transfer_backend"] == D.info()["transfer_backend"] == "mooncake"
     for prompt in PROMPTS:
-        want = colocated(servers, prompt)
-        body = pd_body({"text": prompt, "sampling_params": greedy()}, P, random.getrandbits(63))
-        rp, rd = run(post_both(P, D, body))
-        assert rp.status_code == 200, rp.text
-        assert rd.status_code == 200, rd.text
-        assert rd.json()["output_ids"] == want, prompt
-        meta = rd.json()["meta_info"]
-        assert meta["bootstrap_room"] == body["bootstrap_room"] and meta["kv_bytes"] > 0
+        meta = assert_pd_answer(P, D, prompt, colocated(servers["colo"], prompt))
         if P.dp > 1:
-            assert meta["prefill_dp_rank"] == body["bootstrap_room"] % P.dp
+            assert meta["prefill_dp_rank"] == meta["bootstrap_room"] % P.dp
     assert_idle(P, D)
 
 
 def test_mooncake_concurrent_requests_and_batch(servers):
     """Several rooms at once on both prefill ranks and both decode ranks, plus a batched body."""
-    P, D = servers["p2"], servers["d2"]
-    prompts = PROMPTS * 2
-    want = {t: colocated(servers, t) for t in PROMPTS}
-
-    async def all_at_once():
-        return await asyncio.gather(*(post_both(P, D, pd_body(
-            {"text": t, "sampling_params": greedy()}, P, random.getrandbits(63))) for t in prompts))
-
-    for prompt, (rp, rd) in zip(prompts, run(all_at_once())):
-        assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
-        assert rd.json()["output_ids"] == want[prompt], prompt
-    rooms = [random.getrandbits(63) for _ in PROMPTS]
-    rp, rd = run(post_both(P, D, pd_body({"text": PROMPTS, "sampling_params": greedy()}, P, rooms)))
-    assert rd.status_code == 200, rd.text
-    assert [x["output_ids"] for x in rd.json()] == [want[t] for t in PROMPTS]
-    assert_idle(P, D)
+    assert_concurrent_and_batch(servers["p2"], servers["d2"], {t: colocated(servers["colo"], t) for t in PROMPTS})
 
 
 def test_backend_mismatch_fails_both_legs_clearly(servers):
@@ -122,31 +94,16 @@ def test_backend_mismatch_fails_both_legs_clearly(servers):
     assert room in msg and "decode side gave up" in msg and "'tcp'" in msg, msg
     assert_idle(P, D)
     # both keep serving their own kind
-    body = pd_body({"text": PROMPTS[1], "sampling_params": greedy()}, P, random.getrandbits(63))
-    rp, rd = run(post_both(P, servers["d2"], body))
-    assert rd.status_code == 200 and rd.json()["output_ids"] == colocated(servers, PROMPTS[1])
+    assert_pd_answer(P, servers["d2"], PROMPTS[1], colocated(servers["colo"], PROMPTS[1]))
 
 
 def test_killing_prefill_mid_request_leaves_decode_idle(servers):
     """Runs last: it kills p1. The decode leg alone resolves p1, reserves pages and sends its
     kv_req over mooncake's control channel; then p1 dies (kill -9) before writing the KV."""
     P, D = servers["p1"], servers["d2"]
-    body = pd_body({"text": PROMPTS[3], "sampling_params": greedy()}, P, random.getrandbits(63))
-    out: dict = {}
-    with httpx.Client(timeout=90) as c:
-        t = threading.Thread(target=lambda: out.update(r=c.post(D.url + "/generate", json=body)))
-        t.start()
-        deadline = time.monotonic() + 30
-        while (not any(w["inflight_transfers"] for w in D.info()["workers"])
-               and time.monotonic() < deadline):
-            time.sleep(0.05)
-        P.kill()
-        t.join(60)
-    assert not t.is_alive(), "the decode leg hung after its prefill died"
-    msg = error_message(out["r"])
+    body, resp = decode_leg_when_prefill_dies(P, D, PROMPTS[3])
+    msg = error_message(resp)
     assert str(body["bootstrap_room"]) in msg and "prefill" in msg, msg
     assert_idle(D)
     # the decode keeps serving with the other prefill
-    body = pd_body({"text": PROMPTS[0], "sampling_params": greedy()}, servers["p2"], random.getrandbits(63))
-    rp, rd = run(post_both(servers["p2"], D, body))
-    assert rd.status_code == 200 and rd.json()["output_ids"] == colocated(servers, PROMPTS[0])
+    assert_pd_answer(servers["p2"], D, PROMPTS[0], colocated(servers["colo"], PROMPTS[0]))

@@ -10,17 +10,21 @@ mooncake e2e test covers it.) Skipped (with the reason) only when NIXL cannot be
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import random
-import threading
-import time
 
 import httpx
 import pytest
 
 from pdserve.transfer.nixl import import_problem  # noqa: E402
-from tests.harness.cluster import Server, pd_body, post_both, run  # noqa: E402
+from tests.harness.cluster import Server  # noqa: E402
+from tests.harness.pd_answers import (  # noqa: E402
+    PROMPTS,
+    assert_concurrent_and_batch,
+    assert_pd_answer,
+    colocated,
+    decode_leg_when_prefill_dies,
+)
 from tests.harness.shared_servers import COLOCATED, borrow  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
@@ -30,7 +34,6 @@ if (_problem := import_problem()) is not None:
     pytest.skip(f"nixl backend unavailable: {_problem}", allow_module_level=True)
 
 NIXL = ["--transfer-backend", "nixl"]
-PROMPTS = ["The capital of France is", "hello world " * 9, "a", "Once upon a time, in a land far away, " * 3]
 
 
 @pytest.fixture(scope="module")
@@ -46,25 +49,10 @@ def servers(shared_servers, tmp_path_factory):
         yield s
 
 
-def greedy(n: int = 12) -> dict:
-    return {"max_new_tokens": n, "temperature": 0}
-
-
 @pytest.fixture(scope="module")
 def want(servers) -> dict[str, list[int]]:
     """The colocated server's greedy answer to each prompt: the reference."""
-    out = {}
-    for prompt in PROMPTS:
-        r = httpx.post(servers["colo"].url + "/generate", json={"text": prompt, "sampling_params": greedy()},
-                       timeout=60)
-        assert r.status_code == 200, r.text
-        out[prompt] = r.json()["output_ids"]
-    return out
-
-
-def pd(servers, body: dict, room) -> tuple[httpx.Response, httpx.Response]:
-    P, D = servers["p2"], servers["d1"]
-    return run(post_both(P, D, pd_body(body, P, room)))
+    return {prompt: colocated(servers["colo"], prompt) for prompt in PROMPTS}
 
 
 def test_bootstrap_registration_carries_each_ranks_agent(servers):
@@ -85,37 +73,18 @@ def test_bootstrap_registration_carries_each_ranks_agent(servers):
 
 def test_nixl_pd_output_equals_colocated(servers, want):
     """Each prompt through both prefill ranks (the room picks the rank) equals colocated."""
+    P, D = servers["p2"], servers["d1"]
     for prompt in PROMPTS:
-        for rank in range(servers["p2"].dp):
-            room = random.getrandbits(62) * 2 + rank
-            rp, rd = pd(servers, {"text": prompt, "sampling_params": greedy()}, room)
-            assert rp.status_code == 200, rp.text
-            assert rd.status_code == 200, rd.text
-            assert rd.json()["output_ids"] == want[prompt], (prompt, rank)
-            meta = rd.json()["meta_info"]
-            assert meta["bootstrap_room"] == room and meta["prefill_dp_rank"] == rank and meta["kv_bytes"] > 0
-    servers["p2"].wait_idle(timeout=30)
-    servers["d1"].wait_idle(timeout=30)
+        for rank in range(P.dp):
+            meta = assert_pd_answer(P, D, prompt, want[prompt], room=random.getrandbits(62) * 2 + rank)
+            assert meta["prefill_dp_rank"] == rank, (prompt, rank)
+    P.wait_idle(timeout=30)
+    D.wait_idle(timeout=30)
 
 
 def test_nixl_concurrent_requests_and_batch(servers, want):
     """Rooms on both prefill ranks at once into the one decode agent, plus a batched body."""
-    P, D = servers["p2"], servers["d1"]
-    prompts = PROMPTS * 2
-
-    async def all_at_once():
-        return await asyncio.gather(*(post_both(P, D, pd_body(
-            {"text": t, "sampling_params": greedy()}, P, random.getrandbits(63))) for t in prompts))
-
-    for prompt, (rp, rd) in zip(prompts, run(all_at_once())):
-        assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
-        assert rd.json()["output_ids"] == want[prompt], prompt
-    rooms = [random.getrandbits(63) for _ in PROMPTS]
-    rp, rd = pd(servers, {"text": PROMPTS, "sampling_params": greedy()}, rooms)
-    assert rd.status_code == 200, rd.text
-    assert [x["output_ids"] for x in rd.json()] == [want[t] for t in PROMPTS]
-    P.wait_idle(timeout=30)
-    D.wait_idle(timeout=30)
+    assert_concurrent_and_batch(servers["p2"], servers["d1"], want)
 
 
 def test_killing_prefill_mid_request_leaves_decode_idle(servers):
@@ -123,20 +92,9 @@ def test_killing_prefill_mid_request_leaves_decode_idle(servers):
     pages and sends its kv_req over nixl's control channel; then the prefill dies (kill -9)
     before writing the KV. The decode fails the leg naming the room and frees its pages."""
     P, D = servers["p2"], servers["d1"]
-    body = pd_body({"text": PROMPTS[3], "sampling_params": greedy()}, P, random.getrandbits(63))
-    out: dict = {}
-    with httpx.Client(timeout=90) as c:
-        t = threading.Thread(target=lambda: out.update(r=c.post(D.url + "/generate", json=body)))
-        t.start()
-        deadline = time.monotonic() + 30
-        while (not any(w["inflight_transfers"] for w in D.info()["workers"])
-               and time.monotonic() < deadline):
-            time.sleep(0.05)
-        P.kill()
-        t.join(60)
-    assert not t.is_alive(), "the decode leg hung after its prefill died"
-    assert out["r"].status_code >= 400, out["r"].text
-    msg = out["r"].json()["error"]["message"]
+    body, resp = decode_leg_when_prefill_dies(P, D, PROMPTS[3])
+    assert resp.status_code >= 400, resp.text
+    msg = resp.json()["error"]["message"]
     assert str(body["bootstrap_room"]) in msg and "prefill" in msg, msg
     D.wait_idle(timeout=30)
     assert httpx.get(D.url + "/health", timeout=10).status_code == 200

@@ -18,6 +18,7 @@ import pytest
 
 from pdserve.core.launcher import ProcessGroup, free_port, http_ok
 from tests.harness.fake_worker import fake_generate, fake_logprob, write_fake_model
+from tests.harness.procs import alive
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -37,14 +38,6 @@ def children_of(pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 out.append(int(d))
     return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def wait_until(cond, deadline_s: float = 20.0, what: str = "condition"):

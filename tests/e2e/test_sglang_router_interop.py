@@ -17,6 +17,7 @@ import pytest
 from pdserve.core.launcher import LaunchError, ProcessGroup, free_port
 from tests.harness.cluster import (  # noqa: E402
     ROOT,
+    GenerateProbe,
     Server,
 )
 from tests.harness.shared_servers import COLOCATED, DECODE, PREFILL_DP2, borrow  # noqa: E402
@@ -50,22 +51,11 @@ class SglangRouter:
 
     def wait_serving(self, timeout: float = 90.0) -> "SglangRouter":
         """Until a /generate goes through (it adds the workers after its own start-up checks)."""
-        last = ""
-
-        def serves() -> bool:
-            nonlocal last
-            try:
-                r = httpx.post(self.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}},
-                               timeout=30)
-                last = f"{r.status_code} {r.text[:300]}"
-                return r.status_code == 200
-            except httpx.HTTPError as e:
-                last = repr(e)
-                return False
+        serves = GenerateProbe(self.url)
         try:
             self.group.wait_healthy(serves, timeout, what="serving /generate", poll_s=0.3)
         except LaunchError as e:
-            raise RuntimeError(f"{e}\n(last answer: {last})") from None
+            raise RuntimeError(f"{e}\n(last answer: {serves.last})") from None
         return self
 
     def tail(self) -> str:

@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from tests.harness.cluster import Server, stop_all  # noqa: E402
-from tests.harness.fault_tools import Router, children, fd_count, rss_kb, shared_tiny_model, thread_count, wait_for  # noqa: E402
+from tests.harness.fault_tools import Router, shared_tiny_model, wait_for  # noqa: E402
+from tests.harness.procs import children, fd_count, rss_kb, thread_count  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.soak, pytest.mark.timeout(600)]
 

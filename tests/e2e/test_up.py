@@ -21,26 +21,11 @@ from pdserve.core.launcher import ProcessGroup, free_port
 from tests.harness.cluster import (
     ROOT,  # noqa: E402
 )
+from tests.harness.procs import marked_pids  # noqa: E402
 from tests.harness.tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 MARK = "PDSERVE_UP_TEST_MARK"
-
-
-def marked_pids(token: str) -> list[int]:
-    """Live processes whose environment carries MARK=token."""
-    needle = f"{MARK}={token}".encode()
-    pids = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    pids.append(int(d))
-        except OSError:
-            continue
-    return pids
 
 
 def wait_for(cond, timeout: float, what: str) -> None:
@@ -79,12 +64,12 @@ class Up:
             raise AssertionError(f"pdserve up did not exit in {timeout}s: {self.output()}") from None
 
     def assert_nothing_left(self) -> None:
-        wait_for(lambda: not marked_pids(self.token), 15, "every child of pdserve up to exit")
+        wait_for(lambda: not marked_pids(MARK, self.token), 15, "every child of pdserve up to exit")
 
     def kill_all(self) -> None:
         """Finalizer: whatever `up` left behind, by pid (its children are in groups of their own)."""
         self.group.kill()
-        for pid in marked_pids(self.token):
+        for pid in marked_pids(MARK, self.token):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -130,7 +115,7 @@ def test_sigterm_stops_every_child(tiny, start_up):
     up = start_up(tiny, *TINY_FLAGS)
     wait_for(lambda: "pdserve is up" in up.output()[0] or up.proc.poll() is not None, 180, "pdserve is up")
     assert up.proc.poll() is None, up.output()
-    assert len(marked_pids(up.token)) >= 1 + 1 + 2 + 3  # up, router, prefill front + 1, decode front + 2
+    assert len(marked_pids(MARK, up.token)) >= 1 + 1 + 2 + 3  # up, router, prefill front + 1, decode front + 2
     r = httpx.post(up.url + "/v1/chat/completions", timeout=60, json={
         "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
@@ -143,7 +128,7 @@ def test_sigterm_stops_every_child(tiny, start_up):
 def test_sigterm_during_start_up_stops_every_child(tiny, start_up):
     up = start_up(tiny, *TINY_FLAGS)
     # a server front and its workers exist, whether or not start-up has finished
-    wait_for(lambda: len(marked_pids(up.token)) >= 3 or up.proc.poll() is not None, 60, "children")
+    wait_for(lambda: len(marked_pids(MARK, up.token)) >= 3 or up.proc.poll() is not None, 60, "children")
     up.proc.send_signal(signal.SIGTERM)
     assert up.wait(60) == 0, up.output()
     up.assert_nothing_left()

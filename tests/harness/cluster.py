@@ -123,6 +123,24 @@ def stop_all(servers: list[Server]) -> None:
     launcher.stop_all([s.group for s in servers])
 
 
+class GenerateProbe:
+    """A wait condition for a router: one short /generate through `url` answers 200. `last` keeps
+    the latest answer or error, for the message of a wait that ran out."""
+
+    def __init__(self, url: str):
+        self.url, self.last = url, ""
+
+    def __call__(self) -> bool:
+        try:
+            r = httpx.post(self.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}},
+                           timeout=30)
+            self.last = f"{r.status_code} {r.text[:300]}"
+            return r.status_code == 200
+        except httpx.HTTPError as e:
+            self.last = repr(e)
+            return False
+
+
 def pd_body(body: dict, prefill: Server, room: int, **extra) -> dict:
     return {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port,
             "bootstrap_room": room, **extra}

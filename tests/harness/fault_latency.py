@@ -17,12 +17,9 @@ import tempfile
 import time
 
 from .cluster import FAST_ENV, pd_body
-from .fault_tools import KnobServer, Legs, Router, kv_req_sent, room_on, wait_for
+from .fault_tools import GREEDY, LONG, KnobServer, Legs, Router, kv_req_sent, room_on, wait_for
 from .fault_tools import prefilling as busy
 from .tiny_model import make_tiny_model
-
-LONG = "hello " * 100
-GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 
 
 def answer_after(fault, fut) -> tuple[float, str]:

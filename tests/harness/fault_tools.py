@@ -1,6 +1,7 @@
 """What the reliability suites share: servers with fault knobs, a router process, clients that
-keep legs in flight, /proc probes (worker pids, fds, threads, RSS), and the predicates that say
-a request is in its prefill, transfer or decode window (read from server_info).
+keep legs in flight, worker pids (procs.py has the other /proc probes), the predicates that say
+a request is in its prefill, transfer or decode window (read from server_info), and the fault
+suites' request (LONG, GREEDY) with the knobs that widen each of those windows.
 
 Every process starts in its own process group (core/launcher.py) on free 127.0.0.1 ports and is
 stopped by pid.
@@ -14,14 +15,18 @@ import random
 import signal
 import sys
 import time
+import types
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 
 from pdserve.core.launcher import ProcessGroup, http_ok
 from pdserve.disagg.handoff import HandoffState
 
-from .cluster import ROOT, Server, free_port
+from .cluster import ROOT, Server, free_port, stop_all
+from .procs import children
 from .tiny_model import make_tiny_model
 
 
@@ -50,44 +55,19 @@ def wait_for(cond, timeout: float, what: str, detail=lambda: "") -> None:
         time.sleep(0.05)
 
 
-# ---- /proc probes ---------------------------------------------------------------------------
-def children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
-
-
-def fd_count(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def _status(pid: int, key: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
-def thread_count(pid: int) -> int:
-    return _status(pid, "Threads")
-
-
-def rss_kb(pid: int) -> int:
-    return _status(pid, "VmRSS")
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 # ---- servers --------------------------------------------------------------------------------
+@contextmanager
+def running(**servers: Server) -> Iterator[types.SimpleNamespace]:
+    """Wait until every server is ready and hand them over by name; stop them all together,
+    whatever happened (a module's `cluster` fixture)."""
+    try:
+        for s in servers.values():
+            s.wait_ready()
+        yield types.SimpleNamespace(**servers)
+    finally:
+        stop_all(list(servers.values()))
+
+
 class KnobServer(Server):
     """A `cluster.Server` whose DP workers are `tests.harness.slow_worker` (fault windows on demand), on
     given or free ports (a restart reuses the same ones)."""
@@ -226,6 +206,38 @@ def sse_events(text: str) -> list:
 
 
 # ---- fault windows and answers ------------------------------------------------------------
+LONG = "hello " * 100  # 300 prompt tokens: 5 prefill chunks of 64
+N = 24  # output tokens
+GREEDY = {"max_new_tokens": N, "temperature": 0, "ignore_eos": True}
+LEG_TIMEOUT = 60.0  # a leg with no answer by then hung (FAST_ENV deadlines are <= 20 s)
+
+
+def widen(phase: str, prefill: KnobServer, decode: KnobServer) -> None:
+    """Make LONG's `phase` last long enough to inject a fault inside it: the prefill's steps
+    (0.25 s a chunk), its page writes (2.5 s each) or the decode's steps (0.1 s a token)."""
+    if phase == "prefill":
+        prefill.slow(step_s=0.25)
+    elif phase == "transfer":
+        prefill.slow(transfer_s=2.5)
+    elif phase == "decode":
+        decode.slow(step_s=0.1)
+    else:
+        raise ValueError(f"no fault window {phase!r}")
+
+
+@contextmanager
+def cold_then_fast(*servers: KnobServer) -> Iterator[None]:
+    """Each server starts the block with an empty prefix cache (LONG is prefilled in all its
+    chunks, not reused from the test before) and leaves it fast again, whatever happened."""
+    for s in servers:
+        flush_cache(s)
+    try:
+        yield
+    finally:
+        for s in servers:
+            s.slow()
+
+
 def room_on(rank: int, dp: int) -> int:
     r = random.getrandbits(63)
     return r - r % dp + rank

@@ -16,18 +16,10 @@ from pathlib import Path
 import pytest
 
 from pdserve.core.launcher import LaunchError, ProcessGroup, free_port, http_ok, stop_all
+from tests.harness.procs import alive
 
 ROOT = Path(__file__).resolve().parents[2]
 GONE_S = 10.0  # the kernel kills at once; this only bounds the wait on a loaded machine
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie waiting for its reaper counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def wait_until(cond, timeout: float, what: str):
