@@ -36,7 +36,7 @@ def marked():
     """A marker token for the processes of one test; whatever carries it is killed at the end."""
     token = uuid.uuid4().hex
     yield token
-    for pid in marked_pids(token):
+    for pid in marked_pids(MARK, token):
         try:
             os.kill(pid, 9)
         except ProcessLookupError:
@@ -74,7 +74,7 @@ def test_bench_up_runs_both_systems_and_leaves_nothing(tmp_path, marked):
     assert len(up["rank_pages"]["prefill"]) == 1 and len(up["rank_pages"]["decode"]) == 2
     cmp = data["up_vs_colocated"]
     assert set(cmp["targets_met"]) == {"mean_ttft", "itl_p99", "reused"} and cmp["mean_ttft"] > 0
-    wait_for(lambda: not marked_pids(marked), 15, "every process of the bench to exit")
+    wait_for(lambda: not marked_pids(MARK, marked), 15, "every process of the bench to exit")
 
 
 def test_bench_up_refuses_bad_flags_before_starting_anything(marked):
@@ -84,7 +84,7 @@ def test_bench_up_refuses_bad_flags_before_starting_anything(marked):
                               cwd=ROOT, capture_output=True, text=True, timeout=60,
                               env={**os.environ, "PYTHONPATH": ROOT, MARK: marked})
         assert proc.returncode == 2 and why in proc.stderr, (flags, proc.stderr)
-    assert not marked_pids(marked)
+    assert not marked_pids(MARK, marked)
 
 
 def _result(name: str, ttfts: list[float], gap: float, cached: int) -> SystemResult:
